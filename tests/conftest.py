@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny model (built once per test session) and one real vLLM CPU server.
+
+Starting vLLM costs ~30 s, so one server serves the whole session. Tests that change its weights
+restore the original ones before they return (see ``restore_served_weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.tiny_model import build_tiny_model
+from trainer.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
+
+SERVER_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A freshly built tiny model directory (seed 0)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path) -> Iterator[VLLMServer]:
+    """One real vLLM CPU server on the tiny model for the whole test session."""
+    server = VLLMServer(VLLMServerConfig(model=str(tiny_model_dir), max_model_len=SERVER_MAX_MODEL_LEN))
+    with server:
+        yield server
+
+
+@pytest.fixture()
+def restore_served_weights(vllm_server: VLLMServer, tiny_model_dir: Path) -> Iterator[WeightSynchronizer]:
+    """A weight synchroniser for the shared server; puts the checkpoint's weights back afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    admin = VLLMAdminClient(vllm_server.base_url, timeout_s=120)
+    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir))
+    yield sync
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sync.sync(original.named_parameters(), version=0)
