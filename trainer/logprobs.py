@@ -64,8 +64,9 @@ def _chunk_logprobs(
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # (C, 1)
     logp = logits.gather(1, target_ids[:, None]).squeeze(1) - log_z.squeeze(1)  # (C,)
     topk_logp = logits.gather(1, topk_ids) - log_z  # (C, K)
-    with torch.no_grad():
-        entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1)  # (C,)
+    with torch.no_grad():  # entropy = log Z - sum_v p_v logit_v, with one (C, V) temporary
+        p_logits = torch.softmax(logits, dim=-1).mul_(logits).nan_to_num_(nan=0.0)  # 0 * -inf -> 0
+        entropy = log_z.squeeze(1) - p_logits.sum(-1)  # (C,)
     return logp, topk_logp, entropy
 
 

@@ -61,7 +61,8 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask's compressed form of a (Qb, Kb) block matrix: counts (1,1,Qb) and indices (1,1,Qb,Kb)."""
     counts = blocks.sum(-1, dtype=torch.int32)
     indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None], indices[None, None]
+    # Compiled FlexAttention reads these as contiguous: a transposed input would silently give wrong blocks.
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
 def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMask:

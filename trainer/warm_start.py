@@ -21,20 +21,38 @@ Command line (through the tiny-model kit)::
 from __future__ import annotations
 
 import random
+import re
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.utils import get_json_schema
 
 from environments.counter import IncrementEnv
+from trainer.chat_template import build_assistant_message, parse_tool_calls, render_prompt_ids
 
 __all__ = [
     "TASKS",
+    "EvalResult",
     "Transcript",
     "WarmStartConfig",
     "arithmetic_prompt",
     "counter_tools",
+    "evaluate",
     "synthetic_transcripts",
+    "warm_start",
 ]
 
 TASKS = ("counter", "arithmetic")
@@ -67,8 +85,8 @@ class WarmStartConfig:
     max_target: int = 6
     counter_steps: tuple[int, ...] = (1, 2, 3, 4)
     exact_step_prob: float = 0.1
-    arithmetic_max: int = 9
-    arithmetic_error_rate: float = 0.5
+    arithmetic_max: int = 5
+    arithmetic_error_rate: float = 0.3
 
     def __post_init__(self) -> None:
         if self.task not in (*TASKS, "all"):
@@ -152,7 +170,12 @@ def arithmetic_transcript(rng: random.Random, config: WarmStartConfig) -> Transc
 
 
 def synthetic_transcripts(config: WarmStartConfig) -> list[Transcript]:
-    """``config.num_transcripts`` transcripts per task, interleaved, deterministic in ``config.seed``."""
+    """``config.num_transcripts`` transcripts per task, deterministic in ``config.seed``.
+
+    With several tasks the list alternates between them every ``config.batch_size`` transcripts,
+    so that read in order, each training batch holds one task (rows of similar length, little
+    padding) and consecutive batches alternate (no task is forgotten for long).
+    """
     rng = random.Random(config.seed)
     per_task: list[list[Transcript]] = []
     for task in config.tasks:
@@ -162,4 +185,183 @@ def synthetic_transcripts(config: WarmStartConfig) -> list[Transcript]:
             )
         else:
             per_task.append([arithmetic_transcript(rng, config) for _ in range(config.num_transcripts)])
-    return [t for group in zip(*per_task) for t in group]
+    size = config.batch_size
+    chunks = zip(*([group[i : i + size] for i in range(0, len(group), size)] for group in per_task))
+    return [t for chunk in chunks for batch in chunk for t in batch]
+
+
+@dataclass
+class WarmStartResult:
+    """What the fine-tune did.
+
+    Attributes:
+        losses: Training loss at every logged step (every step), in order.
+        seconds: Wall time of the fine-tune, loading and saving included.
+    """
+
+    losses: list[float]
+    seconds: float
+
+
+def _features(tokenizer: PreTrainedTokenizerBase, transcript: Transcript) -> dict[str, list[int]]:
+    """Token ids and labels of one transcript: only assistant turns (content and EOS) are trained."""
+    out = tokenizer.apply_chat_template(
+        transcript.messages, tools=transcript.tools, return_assistant_tokens_mask=True, return_dict=True
+    )
+    labels = [tok if mask else -100 for tok, mask in zip(out["input_ids"], out["assistant_masks"])]
+    return {"input_ids": list(out["input_ids"]), "labels": labels}
+
+
+def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> WarmStartResult:
+    """Fine-tune the model in ``model_dir`` on synthetic transcripts and save it back in place.
+
+    Deterministic given ``config.seed`` on one machine (CPU, no data-loader workers).
+
+    Args:
+        model_dir: A directory written by :func:`trainer.tiny_model.build_tiny_model` (any causal
+            LM with a chat template that marks assistant turns with ``{% generation %}`` works).
+        config: Transcripts and schedule; the defaults take about a minute on two CPU cores.
+
+    Returns:
+        The per-step losses and the wall time.
+    """
+    config = config or WarmStartConfig()
+    started = time.perf_counter()
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dataset = [_features(tokenizer, t) for t in synthetic_transcripts(config)]
+    with tempfile.TemporaryDirectory(prefix="toolgym-warm-start-") as scratch:
+        args = TrainingArguments(
+            output_dir=scratch,
+            max_steps=config.max_steps,
+            per_device_train_batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, config.max_steps // 20),
+            weight_decay=0.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=config.seed,
+            data_seed=config.seed,
+            use_cpu=True,
+            train_sampling_strategy="sequential",  # one task per batch, alternating: see synthetic_transcripts
+            disable_tqdm=True,
+        )
+        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+        trainer.train()
+    model.save_pretrained(model_dir)
+    losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+    return WarmStartResult(losses=losses, seconds=time.perf_counter() - started)
+
+
+@dataclass
+class EvalResult:
+    """Sampled behaviour of a model on fresh episodes of one task.
+
+    Attributes:
+        task: The task evaluated.
+        episodes: Number of episodes sampled.
+        format_rate: Fraction of episodes whose every turn ended with EOS and whose tool calls all
+            parsed and matched the tool's schema (counter: exactly ``increment(step=<int>)``), ending with
+            a final answer; arithmetic: exactly one ``\\boxed{<int>}`` and no tool call.
+        success_rate: Fraction of episodes that reached the goal (counter: reward 1.0;
+            arithmetic: the boxed integer equals the sum).
+    """
+
+    task: str
+    episodes: int
+    format_rate: float
+    success_rate: float
+
+
+_BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
+
+
+def _sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], temperature: float) -> tuple[str, bool]:
+    """One completion: its text (special tokens dropped) and whether it ended with EOS."""
+    output = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=64,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+    )[0, len(prompt_ids) :].tolist()
+    return tokenizer.decode(output, skip_special_tokens=True), tokenizer.eos_token_id in output
+
+
+def _counter_episode(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: int, temperature: float, max_turns: int) -> tuple[bool, bool]:
+    """Play one counter episode against the real environment; returns (well formed, success)."""
+    env, tools = IncrementEnv(), counter_tools()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": env.reset(target=target)}]
+    for _ in range(max_turns):
+        text, ended = _sample(model, tokenizer, render_prompt_ids(tokenizer, messages, tools), temperature)
+        _, calls = parse_tool_calls(text)
+        messages.append(build_assistant_message(text))
+        if not ended:
+            return False, False
+        if not calls:
+            return True, env.get_reward() == 1.0
+        for call in calls:
+            args = call["arguments"]
+            if "error" in call or call["name"] != "increment" or set(args or {}) != {"step"} or type(args["step"]) is not int:
+                return False, False
+            messages.append({"role": "tool", "content": str(env.increment(args["step"]))})
+    return False, False
+
+
+def _arithmetic_episode(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, a: int, b: int, temperature: float) -> tuple[bool, bool]:
+    """Ask one sum; returns (well formed, success)."""
+    prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": arithmetic_prompt(a, b)}])
+    text, ended = _sample(model, tokenizer, prompt, temperature)
+    boxed = _BOXED.findall(text)
+    well_formed = ended and len(boxed) == 1 and not parse_tool_calls(text)[1]
+    return well_formed, well_formed and int(boxed[0]) == a + b
+
+
+def evaluate(
+    model_dir: str | Path,
+    task: str,
+    episodes: int = 100,
+    seed: int = 1234,
+    temperature: float = 1.0,
+    max_turns: int = 8,
+    config: WarmStartConfig | None = None,
+) -> EvalResult:
+    """Sample ``episodes`` fresh episodes with transformers ``generate`` and score format and success.
+
+    Args:
+        model_dir: A saved model with its tokenizer.
+        task: ``"counter"`` or ``"arithmetic"``.
+        episodes: How many episodes to sample.
+        seed: Seeds the episodes and the sampling.
+        temperature: Sampling temperature (no top-k/top-p truncation).
+        max_turns: Counter episodes that have not given a final answer after this many turns fail.
+        config: Where targets and operands are drawn from (``max_target``, ``arithmetic_max``).
+    """
+    config = config or WarmStartConfig()
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    results = []
+    with torch.inference_mode():
+        for _ in range(episodes):
+            if task == "counter":
+                target = rng.randint(1, config.max_target)
+                results.append(_counter_episode(model, tokenizer, target, temperature, max_turns))
+            else:
+                a, b = rng.randint(0, config.arithmetic_max), rng.randint(0, config.arithmetic_max)
+                results.append(_arithmetic_episode(model, tokenizer, a, b, temperature))
+    return EvalResult(
+        task=task,
+        episodes=episodes,
+        format_rate=sum(f for f, _ in results) / episodes,
+        success_rate=sum(s for _, s in results) / episodes,
+    )

@@ -1,0 +1,389 @@
+"""``AsyncGRPOTrainer``: GRPO with generation decoupled from training.
+
+A spawned rollout worker streams scored groups from a vLLM server while this process trains on
+them; every ``weight_sync_steps`` optimizer steps the weights go to the server and the policy
+version goes up by one. The class is a ``transformers.Trainer``: callbacks, ``report_to``,
+checkpoints, optimizer and scheduler are the ecosystem's. What it changes: the data (micro-batches
+of tree-packed rows from the rollout queue instead of a DataLoader), the step (packed forward,
+chunked log-probs, the loss of SPEC §4), logging (the pipeline's metrics), checkpoints (plus
+``rollout_state.json``) and the stop condition (epochs count prompts actually trained).
+
+Data flow: dataset -> rollout worker -> vLLM / env server -> queue -> packer -> loss -> weight sync
+(see ``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from trainer.batching import MicroBatch, MicroBatchStream
+from trainer.config import AsyncGRPOConfig
+from trainer.errors import ConfigError
+from trainer.logprobs import forward_packed
+from trainer.loss import LossConfig, grpo_loss, loss_metrics, reduce_loss_stats
+from trainer.metrics import MetricWindow
+from trainer.rollout_loop import AsyncRolloutLoop
+from trainer.rollout_types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+from trainer.tree_attention import enable_tree_attention
+from trainer.weight_sync import (
+    SharedMemorySender,
+    VLLMAdminClient,
+    WeightSender,
+    WeightSynchronizer,
+    checkpoint_manifest,
+)
+from trainer.worker import RolloutWorker, WorkerChannels, spawn_context
+
+__all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+
+logger = logging.getLogger(__name__)
+ROLLOUT_STATE = "rollout_state.json"
+RANK0_WAIT_LOG_S = 30.0
+
+
+def _check_picklable(**objects: Any) -> None:
+    for name, obj in objects.items():
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else [(None, obj)]
+        for key, item in items:
+            if item is None:
+                continue
+            try:
+                pickle.dumps(item)
+            except Exception as exc:
+                where = name if key is None else f"{name}[{key!r}]"
+                raise TypeError(
+                    f"{where} ({item!r}) cannot be pickled, and it must reach the rollout worker, a spawned "
+                    f"process: use a module-level function, functools.partial or a callable class instance, "
+                    f"not a lambda or closure ({type(exc).__name__}: {exc})") from exc
+
+
+def _validate_dataset(dataset: Any, has_env: bool) -> None:
+    if dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None) or []
+    if "prompt" not in columns:
+        if not has_env:
+            raise ConfigError(f"train_dataset has no 'prompt' column (columns: {columns}); give conversational "
+                              "prompts, or an environment_factory whose reset() returns the prompt")
+        return
+    first = next(iter(dataset))["prompt"]
+    ok = isinstance(first, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in first)
+    if not ok:
+        raise ConfigError("train_dataset's 'prompt' must be conversational: a list of {'role': ..., 'content': ...} "
+                          f"messages, e.g. [{{'role': 'user', 'content': 'What is 2+2?'}}]; got {first!r:.200}")
+
+
+class _PipelineCallback(TrainerCallback):
+    """Step timing, weight sync, allowance updates and the epoch stop, around each optimizer step."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+        self._step_start = time.perf_counter()
+        self._opt_start = 0.0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer._step_fwd_bwd_s = 0.0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._opt_start = time.perf_counter()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer.metrics.add("perf/optimizer_s", time.perf_counter() - self._opt_start)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        t = self.trainer
+        if state.global_step % args.weight_sync_steps == 0:
+            t._sync_weights(t.stream.policy_version + 1)
+        t._end_of_step(time.perf_counter() - self._step_start)
+        self._step_start = time.perf_counter()
+        if not t._explicit_max_steps and t.stream.epoch_done:
+            control.should_training_stop = True
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO trainer (see the module docstring).
+
+    Args:
+        model: A model id or directory (loaded with ``AutoModelForCausalLM`` in ``args.dtype``), or
+            a ``PreTrainedModel``. Its attention is switched to tree attention for packed training.
+        reward_funcs: A reward function or a list of them (sync or async, picklable); optional when
+            environments score through ``get_reward``.
+        args: The config; defaults to ``AsyncGRPOConfig(output_dir="<model>-AsyncGRPO")``.
+        train_dataset: Conversational prompts (``prompt`` column) plus any columns the reward
+            functions or environments read. ``None`` when the environment owns the data (then
+            ``max_steps`` is required).
+        processing_class: The tokenizer; loaded from the model when ``None``. A missing pad token
+            defaults to EOS.
+        callbacks: Extra ``TrainerCallback``s.
+        optimizers: ``(optimizer, scheduler)``; AdamW and the configured scheduler when ``None``.
+        peft_config: A PEFT config to wrap the model with (merged-weight sync).
+        tools: Functions the model may call (type hints + Google docstrings; module level).
+        environment_factory: A zero-argument callable making an environment, or a dict
+            name -> callable routed by the dataset's ``environment`` column.
+    """
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Callable[..., Any] | list[Callable[..., Any]] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        tools: list[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+    ) -> None:
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        if args is None:
+            args = AsyncGRPOConfig(output_dir=f"{Path(str(model_id)).name}-AsyncGRPO")
+        if not isinstance(args, AsyncGRPOConfig):
+            raise ConfigError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
+        if train_dataset is None and environment_factory is None:
+            raise ConfigError("give a train_dataset, or an environment_factory whose reset() returns the prompt")
+        if train_dataset is None and args.max_steps <= 0:
+            raise ConfigError("without a train_dataset the environment owns the data, so the run has no epochs: "
+                              "set max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
+        _validate_dataset(train_dataset, environment_factory is not None)
+        init_kwargs = dict(args.model_init_kwargs or {})
+        if isinstance(model, str):
+            init_kwargs.setdefault("dtype", getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
+            model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(
+                model_id, trust_remote_code=args.trust_remote_code, revision=init_kwargs.get("revision"))
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        enable_tree_attention(model)
+        self.model_id = str(model_id)
+        self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.rollout_dataset = train_dataset
+        self._explicit_max_steps = args.max_steps > 0
+        if not self._explicit_max_steps:
+            args.max_steps = 10**9  # a safety cap: the epoch count stops the run
+        self.metrics = MetricWindow()
+        self.worker: RolloutWorker | None = None
+        self.stream: MicroBatchStream | None = None  # type: ignore[assignment]
+        self._syncer: WeightSynchronizer | None = None
+        self._resume_state: dict[str, Any] = {}
+        self._step_fwd_bwd_s = 0.0
+        self._num_tokens = 0
+        self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
+        self._loss_stats: list[dict[str, torch.Tensor]] = []
+        super().__init__(model=model, args=args, train_dataset=None, processing_class=processing_class,
+                         callbacks=callbacks, optimizers=optimizers)
+        self.add_callback(_PipelineCallback(self))
+        self.loss_config = LossConfig(epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                                      score_centering=args.score_centering,
+                                      clip_min=args.vllm_importance_sampling_clip_min,
+                                      clip_max=args.vllm_importance_sampling_clip_max)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """Train until the epochs are done (or ``max_steps``); always stops the rollout worker."""
+        _check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
+                         environment_factory=self.environment_factory, loop_cls=self.loop_cls)
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
+        if resume_from_checkpoint:
+            state_file = Path(resume_from_checkpoint) / ROLLOUT_STATE
+            if state_file.exists():
+                self._resume_state = json.loads(state_file.read_text())
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+    def _server_limits(self, admin: VLLMAdminClient) -> tuple[int, int | None]:
+        from trainer.sampler_client import kv_cache_tokens, parse_prometheus
+
+        deadline = time.monotonic() + self.args.vllm_server_timeout
+        while True:
+            try:
+                models = admin.request("GET", "/v1/models")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        max_model_len = int(models["data"][0]["max_model_len"])
+        try:
+            kv_tokens = kv_cache_tokens(parse_prometheus(admin.request("GET", "/metrics")))
+        except Exception:
+            kv_tokens = None
+        return max_model_len, kv_tokens
+
+    def get_train_dataloader(self) -> MicroBatchStream:  # type: ignore[override]
+        """Start the rollout worker and return the micro-batch stream that replaces the DataLoader."""
+        args = self.args
+        world = self.accelerator.num_processes
+        if world > 1:
+            raise ConfigError(f"this version trains in one process (found {world}); multi-process training needs "
+                              "rank 0 to broadcast the micro-batches, which is not built yet")
+        admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+        max_model_len, kv_tokens = self._server_limits(admin) if self.is_world_process_zero() else (0, None)
+        token_budget = args.token_budget or max_model_len
+        start = int(self._resume_state.get("first_untrained_position", 0))
+        version = int(self._resume_state.get("policy_version", 0))
+        ctx = spawn_context()
+        allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
+        channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
+        if self.is_world_process_zero():
+            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
+            if version > 0:  # resumed: the server still has the initial weights
+                self._sync_weights(version)
+        tokenizer = self.processing_class
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        loop_kwargs = dict(
+            config=args, model_name=self.model_id, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
+            processing_class=tokenizer, eos_token_ids=eos, tools=self.tools,
+            environment_factory=self.environment_factory, dataset_start_index=start,
+            max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
+        )
+        self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
+        self.worker.start()
+        stop = None
+        if not self._explicit_max_steps and self.rollout_dataset is not None:
+            stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
+        self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
+                                       start_position=start, stop_position=stop)
+        self.stream.policy_version = version
+        return self.stream
+
+    def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:
+        """The weight-transfer backend matching the server (``toolgym_shm`` on CPU, NCCL on GPU)."""
+        if torch.cuda.is_available():
+            from trainer.weight_sync import NCCLSender
+
+            world = admin.request("GET", "/get_world_size")
+            size = int(world.get("world_size", 1)) if isinstance(world, dict) else int(world)
+            port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216"))
+            return NCCLSender(admin, os.environ.get("TOOLGYM_WEIGHT_SYNC_HOST", "127.0.0.1"), port, size)
+        return SharedMemorySender(admin)
+
+    def _manifest(self) -> dict[str, tuple[int, ...]]:
+        return checkpoint_manifest(self.model_id) if Path(self.model_id).is_dir() else {}
+
+    # ------------------------------------------------------------------------------ the step
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[MicroBatch], None]:
+        """Pull ``num_batches`` micro-batches (one optimizer step's worth) from the stream."""
+        return [next(epoch_iterator) for _ in range(num_batches)], None
+
+    def training_step(self, model: torch.nn.Module, inputs: MicroBatch, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward this process's packed row, compute the loss, backward; returns the detached loss."""
+        model.train()
+        t0 = time.perf_counter()
+        row = inputs.row_for(self.accelerator.process_index).to(self.args.device)
+        with self.compute_loss_context_manager():
+            logps = forward_packed(model, row, self.args.temperature)
+            loss, stats = grpo_loss(logps, row, self.loss_config, inputs.num_trained_global)
+            loss = loss / self.current_gradient_accumulation_steps
+        self.accelerator.backward(loss)
+        self._loss_stats.append(stats)
+        self._step_fwd_bwd_s += time.perf_counter() - t0
+        self._step_tokens = (self._step_tokens[0] + inputs.forwarded_tokens,
+                             self._step_tokens[1] + inputs.num_trained_global)
+        return loss.detach()
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """6 x parameters x forwarded tokens (forward + backward of the dense layers)."""
+        tokens = inputs.forwarded_tokens if isinstance(inputs, MicroBatch) else 0
+        return 6 * sum(p.numel() for p in self.model.parameters()) * tokens
+
+    def _sync_weights(self, version: int) -> None:
+        t0 = time.perf_counter()
+        self.accelerator.wait_for_everyone()
+        barrier_s = time.perf_counter() - t0
+        if self._syncer is not None:
+            timings = self._syncer.sync(self._policy_weights(), version)
+            self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
+            self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
+        self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
+        self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
+        self.stream.policy_version = version
+        if self.worker is not None:
+            self.worker.channels.model_version.value = version
+
+    def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights the server serves, by checkpoint name (LoRA merged into the base weights)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "merge_adapter"):
+            model.merge_adapter()
+            try:
+                return [
+                    (n.replace("base_model.model.", "", 1).replace(".base_layer", ""), p.detach().clone())
+                    for n, p in model.named_parameters() if "lora_" not in n
+                ]
+            finally:
+                model.unmerge_adapter()
+        return [(n, p.detach()) for n, p in model.named_parameters()]
+
+    def _end_of_step(self, step_s: float) -> None:
+        args = self.args
+        consumed, wait_s, per_step = self.stream.take_step_stats()
+        # Staleness allowance for the worker: max(max_staleness, 1) steps of what this step consumed.
+        if self.worker is not None and consumed > 0:
+            self.worker.channels.token_allowance.value = max(args.max_staleness, 1) * consumed
+        forwarded, trained = self._step_tokens
+        self._step_tokens = (0, 0)
+        self._num_tokens += forwarded
+        m = self.metrics
+        for name, value in per_step.items():
+            m.add(name, value)
+        m.add("batch/microbatches_per_step", args.gradient_accumulation_steps)
+        m.add("perf/step_s", step_s)
+        m.add("perf/rollout_wait_s", wait_s)
+        m.add("perf/fwd_bwd_s", self._step_fwd_bwd_s)
+        m.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self._step_fwd_bwd_s)
+        m.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        m.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        if self.worker is not None:
+            m.add_records(self.worker.drain_metrics())
+        if self.rollout_dataset is not None:
+            self.state.epoch = self.stream.progress.first_untrained / len(self.rollout_dataset)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the window's pipeline metrics to the Trainer's logs (loss, grad_norm, learning_rate)."""
+        if self._loss_stats:
+            logs.update(loss_metrics(reduce_loss_stats(self._loss_stats)))
+            self._loss_stats = []
+        if self.worker is not None:
+            self.metrics.add_records(self.worker.drain_metrics())
+        logs.update(self.metrics.flush())
+        logs["num_tokens"] = float(self._num_tokens)
+        super().log(logs, start_time)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.stream is None or not self.is_world_process_zero():
+            return
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        if folder.is_dir():
+            (folder / ROLLOUT_STATE).write_text(json.dumps(self.stream.state(), indent=2))

@@ -1,0 +1,194 @@
+"""``AsyncGRPOConfig``: every knob of the asynchronous GRPO trainer, documented where declared.
+
+It subclasses ``transformers.TrainingArguments``, so the optimizer, scheduler, logging, saving and
+``report_to`` fields are the ecosystem's. Defaults that differ from ``TrainingArguments``:
+``logging_steps=1``, ``gradient_checkpointing=True``, ``bf16=True`` unless ``fp16`` (and only where
+the device supports it), ``learning_rate=1e-6``, ``lr_scheduler_type="constant"`` (the number of
+steps per epoch is not known in advance: multi-turn forks change it), ``ignore_data_skip=True``
+(the base Trainer's skip-and-replay does not apply to the rollout queue) and
+``remove_unused_columns=False`` (every column reaches the reward functions; it must stay False).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from trainer.errors import ConfigError
+
+
+def _bf16_supported() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    """Configuration of :class:`~trainer.AsyncGRPOTrainer` (see the module docstring for the
+    ``TrainingArguments`` defaults it changes)."""
+
+    # --- TrainingArguments defaults changed for this trainer -----------------------------------
+    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
+    gradient_checkpointing: bool = field(
+        default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bfloat16 mixed precision. None: True unless fp16 is set (and the device has bf16)."},
+    )
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": "Scheduler; constant because steps per epoch are unknown in advance (forks)."},
+    )
+    ignore_data_skip: bool = field(
+        default=True, metadata={"help": "Resume fast-forwards the rollout worker instead of replaying data."}
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Must stay False: every dataset column reaches the reward functions."}
+    )
+
+    # --- model ----------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for from_pretrained when the model is given as a path or id; "
+                  "a 'dtype' here wins over `dtype`; 'revision' also applies to the tokenizer."},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype the weights are loaded in: 'auto', 'bfloat16', 'float16' or 'float32'. "
+                  "float32 by default: the train/inference mismatch is sensitive to the trainer's precision."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow model/tokenizer code from the checkpoint."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "MoE load-balancing loss coefficient; None uses the model config's; 0.0 disables. "
+                  "An error on a non-MoE model."},
+    )
+
+    # --- generation ----------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Rollouts sampled per prompt (the group size)."})
+    max_completion_length: int = field(
+        default=2048, metadata={"help": "Most tokens generated per vLLM request (per turn of a multi-turn rollout)."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; < 1 requires top_k (see SPEC §6)."}
+    )
+    top_k: int = field(default=0, metadata={"help": "Top-k truncation; 0 disables it."})
+    min_p: float | None = field(
+        default=None, metadata={"help": "Minimum token probability relative to the best one, in [0, 1]; needs top_k."}
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for apply_chat_template (e.g. enable_thinking)."}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Most tool-calling turns per rollout; None: until a turn calls no tool."}
+    )
+
+    # --- vLLM server ---------------------------------------------------------------------------
+    vllm_server_base_url: str = field(
+        default="http://localhost:8000", metadata={"help": "Base URL of the vLLM server used for generation."}
+    )
+    vllm_server_timeout: float = field(
+        default=1800.0,
+        metadata={"help": "Seconds for each vLLM call: readiness wait and weight syncs raise after it; a "
+                  "generation request that times out is retried."},
+    )
+
+    # --- loss ----------------------------------------------------------------------------------
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the trust region."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping epsilon; None uses `epsilon` (DAPO suggests 0.28)."}
+    )
+    score_centering: bool = field(
+        default=True,
+        metadata={"help": "Score-centred objective (default); False uses GRPO's clipped surrogate."},
+    )
+    vllm_importance_sampling_clip_min: float = field(
+        default=0.5, metadata={"help": "Tokens whose importance ratio is below this are dropped from the loss."}
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=5.0, metadata={"help": "Tokens whose importance ratio is above this are dropped from the loss."}
+    )
+    num_sampler_logprobs: int = field(
+        default=8,
+        metadata={"help": "Sampler top log-probs requested per generated token (score centering's H_t); "
+                  "capped by the server's --max-logprobs."},
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Most unique tokens forwarded in one row; None: the server's max_model_len. A "
+                  "sample longer than this is dropped with a warning."},
+    )
+
+    # --- asynchronous pipeline -----------------------------------------------------------------
+    max_concurrent_rollouts: int = field(
+        default=512, metadata={"help": "Hard ceiling on rollouts in flight (also the sync-tool thread pool size)."}
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={"help": "Most weight updates a sample may lag the policy before it is dropped; generation "
+                  "stays within max(max_staleness, 1) steps' worth of tokens ahead of training."},
+    )
+    weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
+    rollout_worker_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds without a worker heartbeat before it is declared hung."}
+    )
+
+    # --- logging -------------------------------------------------------------------------------
+    log_completions: bool = field(default=False, metadata={"help": "Print sampled completions at each log."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "How many completions to print when log_completions; None: all."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _bf16_supported()
+        if isinstance(self.chat_template_kwargs, str):
+            self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+        if isinstance(self.model_init_kwargs, str):
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        super().__post_init__()
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.remove_unused_columns:
+            raise ConfigError("remove_unused_columns must stay False: every column reaches the reward functions")
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations}: a group needs at least 2 rollouts "
+                              "for a group-relative advantage; set num_generations >= 2")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if (self.top_p < 1 or (self.min_p or 0) > 0) and self.top_k == 0:
+            raise ConfigError(f"top_p={self.top_p} / min_p={self.min_p} need top_k set: vLLM bounds the candidate "
+                              "set by top_k, and the trainer renormalises over it (e.g. top_k=512)")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0: the loss needs the sampling distribution")
+        if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= self.vllm_importance_sampling_clip_max:
+            raise ConfigError(
+                "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max, got "
+                f"{self.vllm_importance_sampling_clip_min} and {self.vllm_importance_sampling_clip_max}")
+        for name in ("max_concurrent_rollouts", "weight_sync_steps", "max_completion_length", "num_sampler_logprobs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ConfigError(f"token_budget={self.token_budget} must be >= 1 (or None for the server's max_model_len)")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype={self.dtype!r} must be one of 'auto', 'bfloat16', 'float16', 'float32'")
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        """``epsilon_high``, defaulting to ``epsilon``."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -1,0 +1,87 @@
+"""Environment instances for rollouts: one per rollout in flight, reused across episodes.
+
+``environment_factory`` is a zero-argument callable, or a dict name -> callable routed by the
+dataset's ``environment`` column. An instance is taken for one rollout, ``reset`` between episodes,
+and returned to its pool afterwards, so an expensive ``__init__`` runs once per concurrent slot
+rather than once per episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+EnvironmentFactory = Callable[[], Any]
+
+
+class EnvironmentPool:
+    """Free lists of environment instances per environment name.
+
+    Args:
+        factory: A callable, or a dict of name -> callable; ``None`` when there is no environment.
+    """
+
+    def __init__(self, factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None) -> None:
+        if factory is None:
+            self.factories: dict[str | None, EnvironmentFactory] = {}
+        elif isinstance(factory, dict):
+            self.factories = dict(factory)
+        else:
+            self.factories = {None: factory}
+        self._free: dict[str | None, list[Any]] = {name: [] for name in self.factories}
+        self._all: list[Any] = []
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts run with environments."""
+        return bool(self.factories)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the dataset's ``environment`` column chooses the environment."""
+        return None not in self.factories and bool(self.factories)
+
+    def resolve(self, row: dict[str, Any]) -> str | None:
+        """The environment name a dataset row routes to (``None`` for a single factory)."""
+        if not self.routed:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise KeyError(f"dataset row routes to environment {name!r}, but environment_factory only has "
+                           f"{sorted(self.factories)} (set the row's 'environment' column to one of them)")
+        return name
+
+    def acquire(self, name: str | None) -> Any:
+        """An idle instance of environment ``name`` (a new one when none is idle)."""
+        free = self._free[name]
+        if free:
+            return free.pop()
+        env = self.factories[name]()
+        self._all.append(env)
+        return env
+
+    def release(self, name: str | None, env: Any) -> None:
+        """Return an instance after its rollout."""
+        self._free[name].append(env)
+
+    def discard(self, env: Any) -> None:
+        """Forget an instance whose episode failed (its state is unknown); it is closed later."""
+        for free in self._free.values():
+            if env in free:
+                free.remove(env)
+
+    async def aclose(self) -> None:
+        """Close every instance that offers ``aclose`` or ``close``."""
+        for env in self._all:
+            closer = getattr(env, "aclose", None) or getattr(env, "close", None)
+            if closer is None:
+                continue
+            try:
+                result = closer()
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, timeout=5)
+            except Exception:  # closing is best effort: the process is ending
+                pass
+        self._all.clear()
