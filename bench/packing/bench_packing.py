@@ -134,6 +134,20 @@ def correctness(device: str) -> None:
           f"max |logp - alone| = {err:.2e}, max relative grad error = {grad_err:.2e}", flush=True)
 
 
+def step_flops(rows: list[PackedRow], spec: dict) -> float:
+    """FLOPs of the fwd+bwd step by a simple model: every matmul once forward, once recomputed
+    (checkpointing) and twice backward; attention per allowed query-key pair; LM head per trained token."""
+    d, head_dim = spec["hidden_size"], spec["head_dim"]
+    q_dim, kv_dim = spec["num_attention_heads"] * head_dim, spec["num_key_value_heads"] * head_dim
+    layer_params = 2 * d * q_dim + 2 * d * kv_dim + 3 * d * spec["intermediate_size"]
+    per_token = 2 * spec["num_hidden_layers"] * layer_params * 4
+    per_pair = spec["num_hidden_layers"] * 2 * (2 * q_dim) * 4  # q.k and p.v
+    per_trained = 2 * d * spec["vocab_size"] * 4
+    return sum(
+        r.num_unique_tokens * per_token + r.attention_cost * per_pair + r.num_trained * per_trained for r in rows
+    )
+
+
 def throughput(spec: dict, shapes: list[Shape], budget: int, device: str, repeats: int) -> list[str]:
     model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
     lines = []
@@ -143,20 +157,23 @@ def throughput(spec: dict, shapes: list[Shape], budget: int, device: str, repeat
         for share in (False, True):
             rows = [r.to(device) for r in plan(samples, budget, share)]
             for r in {r.num_unique_tokens: r for r in rows}.values():  # compile each row length
-                print(f"  warm-up {r.num_unique_tokens} tokens: {sync_time(lambda r=r: train_step(model, r), device):.1f}s")
+                seconds = sync_time(lambda r=r: train_step(model, r), device)
+                print(f"  warm-up {r.num_unique_tokens} tokens: {seconds:.1f}s")
             times = [sum(sync_time(lambda r=r: train_step(model, r), device) for r in rows) for _ in range(repeats)]
             trained = sum(r.num_trained for r in rows)
             forwarded = sum(r.num_unique_tokens for r in rows)
             m = batch_metrics(rows, budget)
-            result[share] = (trained / min(times), forwarded / min(times), len(rows), m)
+            result[share] = (trained / min(times), forwarded / min(times), len(rows), m, step_flops(rows, spec))
             print(f"  {shape.name} share={share}: {len(rows)} rows, {trained} trained, {forwarded} forwarded, "
                   f"best {min(times):.3f}s of {[round(t, 3) for t in times]}", flush=True)
-        (plain_tps, plain_fps, plain_rows, _), (tree_tps, tree_fps, tree_rows, m) = result[False], result[True]
+        (plain_tps, plain_fps, plain_rows, _, plain_flops), (tree_tps, tree_fps, tree_rows, m, tree_flops) = (
+            result[False], result[True]
+        )
         ratio = m["batch/packing_ratio"]
         lines.append(
             f"| {shape.name} | {ratio:.2f} | {m['batch/samples_per_row']:.1f} | {plain_rows} / {tree_rows} | "
             f"{plain_tps:,.0f} | {tree_tps:,.0f} | {tree_tps / plain_tps:.2f}x | {tree_tps / plain_tps / ratio:.2f} | "
-            f"{plain_fps:,.0f} / {tree_fps:,.0f} |"
+            f"{plain_flops / tree_flops:.2f}x | {plain_fps:,.0f} / {tree_fps:,.0f} |"
         )
     return lines
 
@@ -235,8 +252,8 @@ def main() -> None:
                 rows = throughput(spec, shapes, budget, device, args.repeats)
                 tables.append(
                     "| shape | packing ratio | samples/row | rows plain / tree | plain trained tok/s "
-                    "| tree trained tok/s | speedup | speedup / ratio | forwarded tok/s plain / tree |\n"
-                    "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                    "| tree trained tok/s | speedup | speedup / ratio | FLOP-model speedup "
+                    "| forwarded tok/s plain / tree |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
                 )
             elif name == "memory":
                 rows = memory(spec, mem_tokens, device)
