@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.packing import PackedRow
-from trainer.tree_attention import packed_hidden_states
+from trainer.tree_attention import packed_hidden_states, unwrap_model
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "RowLogProbs", "forward_packed", "logprobs_from_hidden"]
 
@@ -72,7 +72,7 @@ def _chunk_logprobs(
 
 def logprobs_from_hidden(
     hidden: torch.Tensor,
-    lm_head: nn.Module,
+    lm_head: nn.Linear,
     row: PackedRow,
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -81,7 +81,7 @@ def logprobs_from_hidden(
 
     Args:
         hidden: Final hidden states of the row, (N, D).
-        lm_head: The output projection (``weight`` (V, D), optional ``bias``).
+        lm_head: The output projection (``weight`` (V, D), optional ``bias``; LoRA on it is refused).
         row: The packed row (same device as ``hidden``).
         temperature: Sampling temperature (logits are divided by it).
         chunk_size: Trained tokens per LM-head chunk.
@@ -92,6 +92,8 @@ def logprobs_from_hidden(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not isinstance(lm_head, nn.Linear):  # e.g. a LoRA-wrapped head: its adapter would be ignored
+        raise TypeError(f"the LM head must be a plain nn.Linear, got {type(lm_head).__name__}")
     h = hidden[row.pred_index]  # (T, D): the positions that predict trained tokens
     bias = getattr(lm_head, "bias", None)
     cand_ids, cand_valid = row.candidate_ids, row.candidate_valid
@@ -122,10 +124,11 @@ def forward_packed(
     """Forward a packed row through ``model`` (tree attention) and return its trained tokens' log-probs.
 
     Args:
-        model: A causal LM switched to tree attention (:func:`trainer.tree_attention.enable_tree_attention`).
+        model: A causal LM switched to tree attention (:func:`trainer.tree_attention.enable_tree_attention`),
+            possibly wrapped (DDP, PEFT): it is called as a whole, so gradient synchronisation works.
         row: The packed row, on the model's device.
         temperature: Sampling temperature.
         chunk_size: Trained tokens per LM-head chunk.
     """
     hidden = packed_hidden_states(model, row)  # (N, D)
-    return logprobs_from_hidden(hidden, model.get_output_embeddings(), row, temperature, chunk_size)
+    return logprobs_from_hidden(hidden, unwrap_model(model).get_output_embeddings(), row, temperature, chunk_size)

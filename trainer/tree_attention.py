@@ -37,6 +37,7 @@ __all__ = [
     "packed_hidden_states",
     "tree_attention_forward",
     "tree_mask",
+    "unwrap_model",
 ]
 
 TREE_ATTENTION = "toolgym_tree"
@@ -214,17 +215,35 @@ def enable_tree_attention(model: nn.Module) -> nn.Module:
     return model
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP/FSDP-style wrappers (those that keep it as ``.module``)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
 def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
-    """Run ``model``'s decoder (no LM head) on a packed row; return the final hidden states (N, D).
+    """Run ``model`` on a packed row and return the decoder's final hidden states (N, D).
+
+    The call goes through ``model(...)`` itself, so wrappers (DDP, PEFT) see a normal forward
+    (DDP only synchronises gradients of forwards it ran); ``logits_to_keep`` is empty, so the LM
+    head computes nothing there, and a hook on the decoder collects its output.
 
     ``row`` must be on the model's device and the model switched by :func:`enable_tree_attention`.
     """
-    if model.config._attn_implementation != TREE_ATTENTION:
-        raise ValueError(f"{type(model).__name__} does not use tree attention: call enable_tree_attention(model) first")
-    out = model.get_decoder()(
-        input_ids=row.input_ids[None],
-        position_ids=row.position_ids[None],
-        attention_mask=tree_mask(row),
-        use_cache=False,
-    )
-    return out.last_hidden_state[0]
+    core = unwrap_model(model)
+    if core.config._attn_implementation != TREE_ATTENTION:
+        raise ValueError(f"{type(core).__name__} does not use tree attention: call enable_tree_attention(model) first")
+    captured: list[torch.Tensor] = []
+    hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+    try:
+        model(
+            input_ids=row.input_ids[None],
+            position_ids=row.position_ids[None],
+            attention_mask=tree_mask(row),
+            use_cache=False,
+            logits_to_keep=row.pred_index[:0],
+        )
+    finally:
+        hook.remove()
+    return captured[0][0]

@@ -73,6 +73,9 @@ def test_a_row_without_trained_tokens_still_reaches_the_parameters() -> None:
     assert not hidden.grad.any() and not head.weight.grad.any()
 
 
-def test_temperature_must_be_positive() -> None:
+def test_temperature_must_be_positive_and_the_head_plain() -> None:
     with pytest.raises(ValueError, match="temperature"):
         logprobs_from_hidden(torch.randn(1, D), torch.nn.Linear(D, V), PackedRow.empty(), temperature=0.0)
+    wrapped_head = torch.nn.Sequential(torch.nn.Linear(D, V))  # stands for an adapter-wrapped head
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        logprobs_from_hidden(torch.randn(1, D), wrapped_head, PackedRow.empty(), temperature=1.0)

@@ -8,6 +8,8 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from transformers import (
     GptOssConfig,
     GptOssForCausalLM,
@@ -179,6 +181,34 @@ def test_hybrid_and_sink_models_are_refused() -> None:
     )
     with pytest.raises(UnsupportedModelError, match="attention sinks"):
         enable_tree_attention(sinks)
+
+
+def test_forward_packed_through_ddp(tmp_path) -> None:
+    """Wrapped models are called as a whole (DDP synchronises only the forwards it runs)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        bare = enable_tree_attention(tiny_qwen3())
+        wrapped = DistributedDataParallel(copy.deepcopy(bare))
+        reduced: list[int] = []
+
+        def count_all_reduce(state, bucket):  # noqa: ANN001, ANN202  (DDP checks string annotations)
+            reduced.append(bucket.index())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        wrapped.register_comm_hook(None, count_all_reduce)
+        row = build_row(random_groups(1))
+        for step in range(2):  # the reducer must see a forward before every backward
+            for model in (bare, wrapped):
+                model.zero_grad()
+                out = forward_packed(model, row, TEMPERATURE)
+                out.logp.sum().backward()
+            assert reduced.count(0) == step + 1  # DDP all-reduced the gradients of this step
+            for p, q in zip(bare.parameters(), wrapped.module.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_packed_forward_needs_tree_attention_enabled() -> None:
