@@ -2,8 +2,8 @@
 
 Within a window (everything recorded since the last log):
 
-* a name whose last part contains ``count`` is summed (``sample/dropped_stale_count``);
-* a last part containing ``max`` / ``min`` keeps the extreme (``completions/max_length``);
+* a name whose last part contains the word ``count`` is summed (``sample/dropped_stale_count``);
+* a last part containing the word ``max`` / ``min`` keeps the extreme (``completions/max_length``);
 * a rate (recorded with :meth:`MetricWindow.add_rate`, e.g. ``rollout/generated_tokens_per_s``)
   is sum of numerators / sum of denominators;
 * anything else is the mean of the recorded values (``_per_step`` values are recorded once per
@@ -24,13 +24,17 @@ Record = tuple[str, str, float, float]
 
 
 def reduction(name: str) -> str:
-    """The window rule for ``name``: ``sum``, ``max``, ``min`` or ``mean``."""
-    last = name.rsplit("/", 1)[-1]
-    if "count" in last:
+    """The window rule for ``name``: ``sum``, ``max``, ``min`` or ``mean``.
+
+    Matches whole words of the last part (``_``-separated), not substrings: the ``min`` in
+    ``completions/mean_terminated_length`` does not make it a minimum.
+    """
+    words = set(name.rsplit("/", 1)[-1].split("_"))
+    if "count" in words:
         return "sum"
-    if "max" in last:
+    if "max" in words:
         return "max"
-    if "min" in last:
+    if "min" in words:
         return "min"
     return "mean"
 
