@@ -12,7 +12,7 @@ key ``k`` is visible to query ``q`` iff ``dfs_enter[k] <= dfs_enter[q] < dfs_lea
 :func:`enable_tree_attention` registers the backend under :data:`TREE_ATTENTION` and switches a
 model to it, so stock classes (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ...) run unchanged:
 the mask goes in as the model's 4D ``attention_mask``, which transformers passes through to the
-attention function as is. :func:`packed_hidden_states` runs the model's decoder on a row.
+attention function as is. :func:`packed_hidden_states` runs the model on a row.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMas
     full = (tile_end[None, :] - 1 <= tile_start[:, None]) & (min_leave[None, :] >= tile_end[:, None])  # (Qb, Kb)
     full &= whole[:, None] & whole[None, :]
     partial = any_visible & ~full
-    kv_num, kv_idx = _ordered(partial)
+    partial_num, partial_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(n, n)
+        partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(n, n)
     )
 
 
