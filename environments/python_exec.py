@@ -1,0 +1,102 @@
+"""Python code execution: the model runs code in a sandbox; the reward is the share of tests passed.
+
+With a dataset, the row's ``tests`` column (a list of ``assert`` statements, or one string of
+them, one per line) arrives in ``reset``; without one the environment picks a built-in task. The
+code graded is the last code that ``run_code`` ran without error, so the model can experiment and
+then run its final solution. Each run is a fresh interpreter (``environments.sandbox``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+
+from environments.sandbox import Limits, RunResult, run_python
+from sdk.environment import Environment
+
+TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Write a function fib(n) that returns the n-th Fibonacci number, with fib(0) == 0 and fib(1) == 1.",
+     ("assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55", "assert fib(20) == 6765")),
+    ("Write a function is_prime(n) that returns True when the integer n is a prime number.",
+     ("assert is_prime(2)", "assert not is_prime(1)", "assert is_prime(97)", "assert not is_prime(91)")),
+    ("Write a function reverse_words(s) that reverses the order of the words in the string s.",
+     ("assert reverse_words('a b c') == 'c b a'", "assert reverse_words('hello') == 'hello'",
+      "assert reverse_words('') == ''")),
+    ("Write a function digit_sum(n) that returns the sum of the decimal digits of a non-negative integer.",
+     ("assert digit_sum(0) == 0", "assert digit_sum(1234) == 10", "assert digit_sum(99999) == 45")),
+)
+_MARK = "__toolgym_tests__"
+
+
+def _harness(tests: list[str]) -> str:
+    """Code appended to the solution: runs each test alone and prints how many passed."""
+    return (f"\n\n_toolgym_passed = 0\nfor _toolgym_test in {json.dumps(tests)}:\n"
+            "    try:\n        exec(_toolgym_test, globals())\n        _toolgym_passed += 1\n"
+            "    except Exception:\n        pass\n"
+            f"print('{_MARK}', _toolgym_passed)\n")
+
+
+def _describe(result: RunResult, limits: Limits) -> str:
+    output = result.output or "(no output)"
+    if result.timed_out:
+        return f"{output}\n[killed: wall-clock limit of {limits.wall_seconds:g} s]"
+    if result.exit_code in (-signal.SIGKILL, -signal.SIGXCPU):
+        return f"{output}\n[killed: CPU limit of {limits.cpu_seconds} s]"
+    return output if result.exit_code == 0 else f"{output}\n[exit code {result.exit_code}]"
+
+
+class PythonExecEnv(Environment):
+    """Run Python in a sandbox to solve a task; reward = fraction of the row's tests passed."""
+
+    def __init__(self, limits: Limits = Limits(), seed: int | None = None) -> None:
+        self.limits = limits
+        self._rng = random.Random(seed)
+        self.tests: list[str] = []
+        self.solution: str | None = None
+
+    def reset(self, tests: list[str] | str | None = None, task: str | None = None, **kwargs: object) -> str | None:
+        """Start a task.
+
+        Args:
+            tests: The row's tests: ``assert`` statements, as a list or one per line.
+            task: The task text, when the row has it and no prompt column.
+            **kwargs: Other dataset columns, ignored.
+
+        Returns:
+            The prompt (a built-in task when no tests are given), or ``None`` when the dataset's
+            prompt column carries the task.
+        """
+        self.solution = None
+        if tests is None:
+            task, built_in = self._rng.choice(TASKS)
+            tests = list(built_in)
+        self.tests = tests.splitlines() if isinstance(tests, str) else list(tests)
+        self.tests = [t for t in self.tests if t.strip()]
+        if task is None:
+            return None
+        return f"{task}\nRun your code with the run_code tool; your last code that runs without error is graded."
+
+    def run_code(self, code: str) -> str:
+        """Run Python code in a fresh sandboxed interpreter and return what it printed.
+
+        Args:
+            code: A complete Python program; print what you want to see.
+
+        Returns:
+            The program's stdout and stderr (cut if long), and why it stopped if it failed.
+        """
+        result = run_python(code, self.limits)
+        if result.ok:
+            self.solution = code
+        return _describe(result, self.limits)
+
+    def get_reward(self) -> float:
+        """The fraction of the tests that the last successful code passes (0.0 without one)."""
+        if self.solution is None or not self.tests:
+            return 0.0
+        result = run_python(self.solution + _harness(self.tests), self.limits)
+        for line in reversed(result.output.splitlines()):
+            if line.startswith(_MARK):
+                return int(line.split()[1]) / len(self.tests)
+        return 0.0

@@ -1,0 +1,95 @@
+"""The FastAPI application: routes, lifespan (thread pool, reaper) and auth, built from a config.
+
+Routes (all behind the bearer token when one is set):
+
+* ``GET /health``: liveness and readiness with capacity figures; 200 when a new session would be
+  admitted (a free slot or room in the queue), 503 when full or draining.
+* ``GET /metrics``: Prometheus text exposition.
+* ``GET /v1/envs``: the hosted environments with their tool schemas.
+* ``WS /v1/ws/{env}?v=1[&session=ID]``: one session (see ``docs/protocol.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Response, WebSocket
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from envserver.auth import BearerAuth
+from envserver.config import ServerConfig
+from envserver.connection import Connection
+from envserver.metrics import ServerMetrics
+from envserver.registry import EnvSpec
+from envserver.sessions import SessionTable
+from sdk import protocol
+
+
+def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
+    """Build the server's ASGI app for ``specs`` (name -> ``EnvSpec``) under ``config``.
+
+    The session table is ``app.state.table``; its thread pool and reaper live as long as the app's
+    lifespan.
+    """
+    metrics = ServerMetrics()
+    pool = concurrent.futures.ThreadPoolExecutor(config.threads, thread_name_prefix="toolgym-env")
+    table = SessionTable(config, specs, metrics, pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(table.reap_forever(), name="toolgym-reaper")
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await table.evict_all()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.table = table
+    if config.token is not None:
+        app.add_middleware(BearerAuth, token=config.token)
+    description = {name: spec.describe() for name, spec in specs.items()}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = health_body(table)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(protocol.ENVS_PATH)
+    async def environments() -> dict[str, Any]:
+        return {"protocol": protocol.PROTOCOL_VERSION, "environments": description}
+
+    @app.websocket(protocol.WS_PATH)
+    async def session_socket(websocket: WebSocket, env: str) -> None:
+        await Connection(websocket, table).serve(env)
+
+    return app
+
+
+def health_body(table: SessionTable) -> dict[str, Any]:
+    """Liveness, readiness and capacity figures of a server."""
+    config = table.config
+    admits = len(table) < config.max_sessions or table.waiting < config.max_waiting
+    return {
+        "status": "draining" if table.draining else "ok",
+        "live": True,
+        "ready": admits and not table.draining,
+        "sessions": len(table),
+        "max_sessions": config.max_sessions,
+        "waiting": table.waiting,
+        "max_waiting": config.max_waiting,
+        "environments": list(table.specs),
+        "protocol": protocol.PROTOCOL_VERSION,
+        "limits": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("host", "port", "token")},
+    }

@@ -1,0 +1,77 @@
+"""The env server's settings: one dataclass, every limit on by default."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from envserver.exceptions import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one env server process. Every limit is on by default.
+
+    Attributes:
+        host: Interface to bind. ``127.0.0.1`` by default: exposing the server is a deliberate act.
+        port: TCP port; ``0`` picks a free one (the bound port is then reported by the server).
+        token: Bearer token required on every route (HTTP and WebSocket); ``None`` disables auth.
+            The CLI defaults it to the ``TOOLGYM_TOKEN`` environment variable.
+        max_sessions: Sessions alive at once (attached or awaiting resume). Past it, new sessions
+            wait in a queue.
+        max_waiting: Bound of that queue; a session arriving when it is full gets ``server_full``
+            at once.
+        queue_timeout: Seconds a queued session waits for a slot before it gets ``server_full``.
+        idle_timeout: Seconds without a request after which an attached session is reaped
+            (``session_evicted``). A running call is never idle.
+        resume_grace: Seconds a session whose connection dropped stays resumable by id; then it is
+            destroyed.
+        call_timeout: Per-request deadline in seconds for ``reset``, ``call`` and ``reward``; past
+            it the request fails with ``call_timeout`` and the session stays open.
+        max_frame_bytes: Largest frame answered normally; larger ones get ``frame_too_large``. Frames
+            over ``4 * max_frame_bytes`` close the connection (code 1009) before being read.
+        threads: Size of the thread pool that runs sync environment methods (and constructors).
+        drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    token: str | None = None
+    max_sessions: int = 1024
+    max_waiting: int = 1024
+    queue_timeout: float = 30.0
+    idle_timeout: float = 300.0
+    resume_grace: float = 30.0
+    call_timeout: float = 60.0
+    max_frame_bytes: int = 1 << 20
+    threads: int = 32
+    drain_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "threads", "max_frame_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}; raise it")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}; 0 disables queueing")
+        for name in ("queue_timeout", "idle_timeout", "resume_grace", "call_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.token is not None and not self.token:
+            raise ConfigError("token must be non-empty; pass None to disable auth")
+
+    @property
+    def hard_frame_limit(self) -> int:
+        """Frames above this many bytes close the connection before being read (1009)."""
+        return 4 * self.max_frame_bytes
+
+    @property
+    def reap_interval(self) -> float:
+        """How often the reaper scans the session table, in seconds."""
+        return min(max(min(self.idle_timeout, self.resume_grace) / 4, 0.05), 5.0)
+
+
+def token_from_env() -> str | None:
+    """The ``TOOLGYM_TOKEN`` environment variable, or ``None`` when unset or empty."""
+    return os.environ.get("TOOLGYM_TOKEN") or None

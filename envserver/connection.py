@@ -1,0 +1,264 @@
+"""One WebSocket connection: open or resume a session, then answer its requests in order.
+
+Every failure becomes a typed error frame (``sdk.protocol.ErrorCode``); only a frame above the hard
+size limit or a dead socket ends the connection without one. Requests of a session run one at a
+time, so an environment instance is never used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from envserver.sessions import Refused, Session, SessionBusy, SessionTable
+from sdk import protocol
+from sdk.loading import did_you_mean
+from sdk.protocol import CLOSE_SESSION_ENDED, ErrorCode, Op, error_reply, ok_reply
+
+logger = logging.getLogger("envserver.connection")
+
+
+class _RequestError(Exception):
+    """Ends one request with a typed error reply; the session goes on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Connection:
+    """Serves one WebSocket: the session attached to it and the frames it sends."""
+
+    def __init__(self, ws: WebSocket, table: SessionTable) -> None:
+        self.ws = ws
+        self.table = table
+        self.session: Session | None = None
+        self._closed = False
+        self._ops: dict[str, Callable[[Session, dict[str, Any]], Awaitable[Any]]] = {
+            Op.RESET: self._reset, Op.CALL: self._call, Op.REWARD: self._reward,
+            Op.PING: self._ping, Op.CLOSE: self._close,
+        }
+
+    async def serve(self, env_name: str) -> None:
+        """Accept, attach a session (new or resumed), then serve frames until the socket ends."""
+        await self.ws.accept()
+        resumed = "session" in self.ws.query_params
+        session = await self._attach(env_name)
+        if session is None:
+            return
+        try:
+            await self._send(self._hello(session, resumed))
+            await self._serve_frames(session)
+        finally:
+            if session.alive:
+                self.table.detach(session, self)
+
+    async def bye(self, code: ErrorCode, message: str) -> None:
+        """Send a ``bye`` frame with the reason, then close the socket (at most once)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._send(protocol.dumps({"op": Op.BYE, "error": protocol.error_payload(code, message)}))
+        await self._close_socket()
+
+    async def _close_socket(self) -> None:
+        self._closed = True
+        try:
+            await self.ws.close(CLOSE_SESSION_ENDED)
+        except (RuntimeError, OSError, WebSocketDisconnect):  # already closed by the peer
+            pass
+
+    async def _attach(self, env_name: str) -> Session | None:
+        query = self.ws.query_params
+        table = self.table
+        if query.get("v") != str(protocol.PROTOCOL_VERSION):
+            await self.bye(ErrorCode.UNSUPPORTED_VERSION,
+                           f"protocol version {query.get('v')!r} not supported; this server speaks "
+                           f"v={protocol.PROTOCOL_VERSION}")
+            return None
+        spec = table.specs.get(env_name)
+        if spec is None:
+            await self.bye(ErrorCode.UNKNOWN_ENVIRONMENT,
+                           f"no environment named {env_name!r}{did_you_mean(env_name, table.specs)} "
+                           f"(hosted: {', '.join(table.specs)})")
+            return None
+        resume_id = query.get("session")
+        if resume_id:
+            session = table.get(resume_id)
+            if session is None or session.spec is not spec:
+                await self.bye(ErrorCode.SESSION_NOT_FOUND,
+                               "no such session: it was closed, or expired after the resume grace period")
+                return None
+            table.metrics.sessions_resumed.labels(spec.name).inc()
+        else:
+            try:
+                session = await table.open(spec)
+            except Refused as exc:
+                await self.bye(exc.code, str(exc))
+                return None
+            except Exception as exc:
+                logger.exception("constructing %s failed", spec.name)
+                await self.bye(ErrorCode.ENVIRONMENT_ERROR, f"environment constructor raised {_describe(exc)}")
+                return None
+        self.session = session
+        await table.attach(session, self)
+        return session
+
+    def _hello(self, session: Session, resumed: bool) -> str:
+        config = self.table.config
+        return protocol.dumps({
+            "op": Op.HELLO, "v": protocol.PROTOCOL_VERSION, "session": session.id, "env": session.spec.name,
+            "resumed": resumed, "last_id": session.last_id,
+            "limits": {"call_timeout": config.call_timeout, "idle_timeout": config.idle_timeout,
+                       "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes},
+            **session.spec.describe(),
+        })
+
+    async def _serve_frames(self, session: Session) -> None:
+        receive, limit = self.ws.receive, self.table.config.max_frame_bytes
+        while session.alive and not self._closed:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                reply = self._frame_error(None, ErrorCode.BAD_FRAME, "binary frames are not supported; send JSON text")
+            elif len(text) > limit or (4 * len(text) > limit and len(text.encode()) > limit):
+                reply = self._frame_error(None, ErrorCode.FRAME_TOO_LARGE,
+                                          f"frame larger than {limit} bytes (max_frame_bytes)")
+            else:
+                reply = await self._request(session, text)
+            await self._send(reply)
+            if not session.alive and not self._closed:  # the request was `close`
+                await self._close_socket()
+
+    async def _request(self, session: Session, text: str) -> str:
+        try:
+            frame = protocol.loads(text)
+        except ValueError as exc:
+            return self._frame_error(None, ErrorCode.BAD_FRAME, f"not JSON: {exc}")
+        if not isinstance(frame, dict):
+            return self._frame_error(None, ErrorCode.BAD_FRAME, "a frame must be a JSON object")
+        rid = frame.get("id")
+        if type(rid) is not int or rid <= 0:
+            return self._frame_error(None, ErrorCode.BAD_FRAME, "a request needs an integer 'id' > 0")
+        if rid <= session.last_id:
+            return await self._replay(session, rid)
+        op = frame.get("op")
+        handler = self._ops.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return self._frame_error(rid, ErrorCode.UNKNOWN_OP,
+                                     f"unknown op {op!r}; expected one of {', '.join(self._ops)}")
+        return await self._run(session, rid, op, handler, frame)
+
+    async def _replay(self, session: Session, rid: int) -> str:
+        """A resent request (same id after a reconnect) gets the original reply; it never runs twice."""
+        if rid == session.last_id:
+            if session.inflight is not None:
+                await asyncio.shield(session.inflight)
+            return session.last_reply
+        return self._frame_error(rid, ErrorCode.BAD_FRAME,
+                                 f"request id {rid} is below the last one ({session.last_id}); ids must increase")
+
+    async def _run(self, session: Session, rid: int, op: str, handler: Callable[..., Awaitable[Any]],
+                   frame: dict[str, Any]) -> str:
+        loop = asyncio.get_running_loop()
+        while session.inflight is not None:  # a request from a connection this one took over
+            await asyncio.shield(session.inflight)
+        session.last_id = rid
+        session.inflight = done = loop.create_future()
+        tool = frame.get("tool", "") if op == Op.CALL else ""
+        started = time.perf_counter()
+        try:
+            reply = ok_reply(rid, await handler(session, frame))
+            outcome = "ok"
+        except _RequestError as exc:
+            reply, outcome = error_reply(rid, exc.code, str(exc)), exc.code.value
+        finally:
+            session.last_active = loop.time()
+            session.inflight = None
+            done.set_result(None)
+        if tool not in session.spec.tools:
+            tool = "<unknown>" if tool else ""  # keep metric label cardinality bounded
+        self.table.metrics.request(session.spec.name, op, tool, outcome, time.perf_counter() - started)
+        session.last_reply = reply
+        return reply
+
+    async def _invoke(self, session: Session, func: Callable[..., Any], is_async: bool,
+                      kwargs: dict[str, Any], failure: ErrorCode, what: str) -> Any:
+        table = self.table
+        try:
+            return await session.invoke(func, is_async, kwargs, table.pool, table.config.call_timeout)
+        except SessionBusy as exc:
+            raise _RequestError(ErrorCode.SESSION_BUSY, str(exc)) from None
+        except TimeoutError:
+            raise _RequestError(ErrorCode.CALL_TIMEOUT,
+                                f"{what} did not finish within {table.config.call_timeout:g} s") from None
+        except Exception as exc:
+            raise _RequestError(failure, _describe(exc)) from None
+
+    async def _reset(self, session: Session, frame: dict[str, Any]) -> str | None:
+        if self.table.draining:
+            raise _RequestError(ErrorCode.SERVER_DRAINING,
+                                "server is draining before shutdown: open a new session elsewhere")
+        kwargs = frame.get("kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise _RequestError(ErrorCode.BAD_FRAME, "'kwargs' must be a JSON object")
+        spec = session.spec
+        prompt = await self._invoke(session, session.env.reset, spec.reset_is_async, kwargs,  # type: ignore[attr-defined]
+                                    ErrorCode.ENVIRONMENT_ERROR, "reset")
+        if prompt is not None and not isinstance(prompt, str):
+            raise _RequestError(ErrorCode.ENVIRONMENT_ERROR,
+                                f"reset returned {type(prompt).__name__}; expected str or None")
+        return prompt
+
+    async def _call(self, session: Session, frame: dict[str, Any]) -> str:
+        name, arguments = frame.get("tool"), frame.get("args", {})
+        info = session.spec.tools.get(name) if isinstance(name, str) else None
+        if info is None:
+            raise _RequestError(ErrorCode.UNKNOWN_TOOL,
+                                f"unknown tool {name!r}; available: {', '.join(session.spec.tools) or 'none'}")
+        problem = info.validate(arguments)
+        if problem:
+            raise _RequestError(ErrorCode.INVALID_ARGUMENTS, f"{name}: {problem}")
+        value = await self._invoke(session, getattr(session.env, name), info.is_async, arguments,
+                                   ErrorCode.TOOL_ERROR, f"tool {name}")
+        return protocol.render_result(value)
+
+    async def _reward(self, session: Session, frame: dict[str, Any]) -> float | None:
+        spec = session.spec
+        if not spec.has_reward:
+            return None
+        value = await self._invoke(session, session.env.get_reward, spec.reward_is_async, {},  # type: ignore[attr-defined]
+                                   ErrorCode.ENVIRONMENT_ERROR, "get_reward")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _RequestError(ErrorCode.ENVIRONMENT_ERROR,
+                                f"get_reward returned {type(value).__name__}; expected float")
+        return float(value)
+
+    async def _ping(self, session: Session, frame: dict[str, Any]) -> str:
+        return "pong"
+
+    async def _close(self, session: Session, frame: dict[str, Any]) -> None:
+        await self.table.end(session, "closed")
+
+    def _frame_error(self, rid: int | None, code: ErrorCode, message: str) -> str:
+        self.table.metrics.frame_errors.labels(code.value).inc()
+        return error_reply(rid, code, message)
+
+    async def _send(self, text: str) -> None:
+        try:
+            await self.ws.send_text(text)
+        except (RuntimeError, OSError, WebSocketDisconnect):  # the peer is gone; receive() will tell
+            self._closed = True
+
+
+def _describe(exc: BaseException) -> str:
+    """``"ValueError: message"``, the text a model sees for a failed tool."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

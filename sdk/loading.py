@@ -1,0 +1,74 @@
+"""Find an environment class from a spec string: ``module:Attr`` or a bundled short name.
+
+Used by ``toolgym serve`` and by the Gymnasium registration; a miss says what exists ("did you
+mean").
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from environments import BUNDLED
+from sdk.exceptions import SpecNotFoundError
+
+
+def load_target(target: str) -> Callable[[], object]:
+    """Import ``module:Attr`` (dotted attributes allowed) or resolve a bundled short name.
+
+    Args:
+        target: ``"environments.counter:IncrementEnv"``, or ``"counter"`` for a bundled one.
+
+    Returns:
+        The attribute (usually an environment class).
+
+    Raises:
+        SpecNotFoundError: the module or attribute does not exist; close matches are suggested.
+    """
+    if ":" not in target:
+        if target in BUNDLED:
+            return load_target(BUNDLED[target])
+        raise SpecNotFoundError(
+            f"{target!r} is neither module:Class nor a bundled environment"
+            + did_you_mean(target, BUNDLED)
+            + f" (bundled: {', '.join(sorted(BUNDLED))})"
+        )
+    module_name, _, attr_path = target.partition(":")
+    obj: Any = _import_module(module_name)
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            names = [n for n, v in vars(obj).items() if not n.startswith("_") and inspect.isclass(v)]
+            raise SpecNotFoundError(f"{module_name} has no attribute {attr_path!r}" + did_you_mean(part, names))
+        obj = getattr(obj, part)
+    return obj
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest candidates, or ``""`` when none is close."""
+    matches = difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
+
+
+def _import_module(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name and not module_name.startswith(f"{exc.name}."):
+            raise  # the module exists but one of its own imports is missing: show that
+        parent, _, leaf = module_name.rpartition(".")
+        raise SpecNotFoundError(f"no module named {module_name!r}" + did_you_mean(leaf, _siblings(parent))) from exc
+
+
+def _siblings(package: str) -> list[str]:
+    """Modules next to the missing one: a package's submodules, or the top-level modules."""
+    if not package:
+        return [m.name for m in pkgutil.iter_modules()]
+    try:
+        path = importlib.import_module(package).__path__
+    except (ImportError, AttributeError):
+        return []
+    return [m.name for m in pkgutil.iter_modules(path)]
