@@ -22,6 +22,7 @@ import argparse
 import itertools
 import random
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from trainer.chat_template import (
     TOOL_RESPONSE_END,
     TOOL_RESPONSE_START,
 )
-from trainer.warm_start import TASKS, WarmStartConfig, synthetic_transcripts
+from trainer.warm_start import TASKS, WarmStartConfig, synthetic_transcripts, warm_start
 
 __all__ = ["VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "main", "tiny_config"]
 
@@ -189,8 +190,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     out = build_tiny_model(args.out, seed=args.seed)
     if args.warm_start:
-        from trainer.warm_start import warm_start
-
-        warm_start(out, WarmStartConfig(task=args.warm_start, seed=args.seed))
+        result = warm_start(out, WarmStartConfig(task=args.warm_start, seed=args.seed))
+        print(
+            f"warm start ({args.warm_start}): {len(result.losses)} steps in {result.seconds:.0f} s, "
+            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
+            file=sys.stderr,
+        )
     print(out)
     return 0
