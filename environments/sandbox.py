@@ -98,7 +98,7 @@ def run_python(code: str, limits: Limits = Limits()) -> RunResult:
         with open(out_path, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-I", "-c", _PRELUDE, str(limits.cpu_seconds), str(limits.memory_bytes),
-                 str(limits.output_bytes)],
+                 str(limits.output_bytes + 1)],  # one byte more than kept, to tell a cut
                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
                 start_new_session=True,

@@ -24,6 +24,7 @@ from sdk.exceptions import (
     ServerFullError,
     ServerUnavailableError,
     SessionLostError,
+    SpecNotFoundError,
     ToolCallError,
     ToolDefinitionError,
     ToolgymError,
@@ -35,21 +36,22 @@ from sdk.exceptions import (
 )
 from sdk.factory import RemoteFactory, remote_factory
 from sdk.gym import GymnasiumEnvironment, ToolEnv, register_environment
+from sdk.loading import load_target
 from sdk.protocol import PROTOCOL_VERSION
 from sdk.remote import RemoteEnvironment
 from sdk.sync import SyncRemoteEnvironment
 from sdk.tools import Tool, environment_tools, tool_from_function
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "RESERVED_NAMES",
     "AuthenticationError",
     "Environment",
     "EnvironmentCheckError",
     "GymnasiumEnvironment",
     "InvalidArgumentsError",
     "MissingDocstringError",
+    "PROTOCOL_VERSION",
     "ProtocolError",
+    "RESERVED_NAMES",
     "RemoteEnvironment",
     "RemoteError",
     "RemoteFactory",
@@ -57,6 +59,7 @@ __all__ = [
     "ServerFullError",
     "ServerUnavailableError",
     "SessionLostError",
+    "SpecNotFoundError",
     "SyncRemoteEnvironment",
     "Tool",
     "ToolCallError",
@@ -70,6 +73,7 @@ __all__ = [
     "UnsupportedTypeError",
     "check_env",
     "environment_tools",
+    "load_target",
     "register_environment",
     "remote_factory",
     "tool_from_function",

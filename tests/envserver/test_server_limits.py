@@ -1,0 +1,210 @@
+"""Limits that are on by default: capacity + wait queue, idle reaping, call deadline, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import websockets
+from prometheus_client.parser import text_string_to_metric_families
+
+from toolgym_fixtures import health, http_get, make_server, wait_until, ws_url
+
+
+async def request(ws: Any, rid: int, op: str, **fields: Any) -> dict[str, Any]:
+    await ws.send(json.dumps({"id": rid, "op": op, **fields}))
+    return json.loads(await ws.recv())
+
+
+def metric(server: Any, name: str, **labels: str) -> float:
+    """The value of one sample of ``/metrics`` (0.0 when absent)."""
+    text = http_get(server.url + "/metrics")[1].decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_full_server_queues_then_refuses_with_server_full():
+    srv = make_server(max_sessions=2, max_waiting=1, queue_timeout=0.6)
+
+    async def scenario():
+        a = await websockets.connect(ws_url(srv, "counter"))
+        b = await websockets.connect(ws_url(srv, "counter"))
+        await a.recv(), await b.recv()
+        queued = await websockets.connect(ws_url(srv, "counter"))
+        await asyncio.sleep(0.1)
+        waiting = health(srv)["waiting"]
+        async with websockets.connect(ws_url(srv, "counter")) as refused:
+            full = json.loads(await refused.recv())
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(queued.recv(), 0.1)  # still queued: no hello yet
+        await request(a, 1, "close")
+        hello = json.loads(await asyncio.wait_for(queued.recv(), 2))
+        async with websockets.connect(ws_url(srv, "counter")) as late:  # waits 0.6 s, then gives up
+            timed_out = json.loads(await late.recv())
+        for ws, rid in ((b, 1), (queued, 1)):
+            await request(ws, rid, "close")
+        return waiting, full, hello, timed_out
+
+    try:
+        waiting, full, hello, timed_out = asyncio.run(scenario())
+        assert waiting == 1
+        assert full["op"] == "bye" and full["error"]["code"] == "server_full"
+        assert hello["op"] == "hello"
+        assert timed_out["error"]["code"] == "server_full" and "within 0.6 s" in timed_out["error"]["message"]
+        assert metric(srv, "toolgym_sessions_rejected_total", reason="server_full") == 2
+        assert health(srv)["sessions"] == 0
+    finally:
+        srv.stop()
+
+
+def test_idle_sessions_are_reaped_and_counted():
+    srv = make_server(idle_timeout=0.3)
+
+    async def scenario():
+        async with websockets.connect(ws_url(srv, "counter")) as ws:
+            await ws.recv()
+            await request(ws, 1, "reset")
+            bye = json.loads(await asyncio.wait_for(ws.recv(), 3))
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+        return bye
+
+    try:
+        bye = asyncio.run(scenario())
+        assert bye["op"] == "bye" and bye["error"]["code"] == "session_evicted" and "idle" in bye["error"]["message"]
+        assert metric(srv, "toolgym_sessions_evicted_total", env="counter", reason="idle") == 1
+        assert metric(srv, "toolgym_sessions_open", env="counter") == 0
+    finally:
+        srv.stop()
+
+
+def test_call_deadline_fails_the_call_not_the_session():
+    srv = make_server(call_timeout=0.3)
+
+    async def scenario():
+        async with websockets.connect(ws_url(srv, "probe")) as ws:
+            await ws.recv()
+            await request(ws, 1, "reset")
+            async_late = await request(ws, 2, "call", tool="anap", args={"seconds": 2})
+            after_async = await request(ws, 3, "call", tool="echo", args={"text": "a"})
+            sync_late = await request(ws, 4, "call", tool="nap", args={"seconds": 0.6})
+            busy = await request(ws, 5, "call", tool="echo", args={"text": "b"})
+            await asyncio.sleep(0.5)
+            recovered = await request(ws, 6, "call", tool="echo", args={"text": "c"})
+            await request(ws, 7, "close")
+        return async_late, after_async, sync_late, busy, recovered
+
+    try:
+        async_late, after_async, sync_late, busy, recovered = asyncio.run(scenario())
+        assert async_late["error"]["code"] == "call_timeout"
+        assert after_async["result"] == "a"
+        assert sync_late["error"]["code"] == "call_timeout"
+        assert busy["error"]["code"] == "session_busy"
+        assert recovered["result"] == "c"
+        assert metric(srv, "toolgym_requests_total", env="probe", op="call", tool="anap", outcome="call_timeout") == 1
+    finally:
+        srv.stop()
+
+
+def test_slow_tool_does_not_block_other_sessions(server):
+    async def scenario():
+        async with websockets.connect(ws_url(server, "probe")) as slow, \
+                   websockets.connect(ws_url(server, "probe")) as fast:
+            await slow.recv(), await fast.recv()
+            await slow.send(json.dumps({"id": 1, "op": "call", "tool": "nap", "args": {"seconds": 1.0}}))
+            started = time.monotonic()
+            for rid in range(1, 21):
+                assert (await request(fast, rid, "call", tool="echo", args={"text": "x"}))["ok"]
+            fast_elapsed = time.monotonic() - started
+            slow_reply = json.loads(await slow.recv())
+            await request(slow, 2, "close"), await request(fast, 21, "close")
+        return fast_elapsed, slow_reply
+
+    fast_elapsed, slow_reply = asyncio.run(scenario())
+    assert fast_elapsed < 0.8
+    assert slow_reply["result"] == "rested"
+
+
+def test_many_concurrent_sessions_are_isolated(server):
+    async def one(index: int) -> tuple[float, float]:
+        async with websockets.connect(ws_url(server, "counter")) as ws:
+            await ws.recv()
+            target = index % 5 + 1
+            await request(ws, 1, "reset", kwargs={"target": target})
+            for rid in range(2, 2 + target):
+                await request(ws, rid, "call", tool="increment", args={"step": 1})
+            hit = (await request(ws, 100, "reward"))["result"]
+            await request(ws, 101, "call", tool="increment", args={"step": 1})
+            miss = (await request(ws, 102, "reward"))["result"]
+            await request(ws, 103, "close")
+        return hit, miss
+
+    async def scenario():
+        return await asyncio.gather(*(one(i) for i in range(128)))
+
+    results = asyncio.run(scenario())
+    assert results == [(1.0, 0.0)] * 128
+    assert wait_until(lambda: health(server)["sessions"] == 0)
+
+
+_KILLED_CLIENTS = textwrap.dedent("""
+    import asyncio, json, sys
+    import websockets
+
+    async def one(url):
+        ws = await websockets.connect(url)
+        await ws.recv()
+        await ws.send(json.dumps({"id": 1, "op": "call", "tool": "nap", "args": {"seconds": 1.5}}))
+        await asyncio.sleep(30)
+
+    async def main():
+        tasks = [asyncio.create_task(one(sys.argv[1])) for _ in range(int(sys.argv[2]))]
+        await asyncio.sleep(0.5)
+        print("calling", flush=True)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+""")
+
+
+def test_churn_with_clients_killed_mid_call_leaves_no_session():
+    srv = make_server(resume_grace=0.3, threads=64)
+
+    async def churn() -> None:
+        async def cycle(index: int) -> None:
+            ws = await websockets.connect(ws_url(srv, "probe"))
+            await ws.recv()
+            await request(ws, 1, "reset")
+            if index % 3 == 0:  # killed mid-call: the socket vanishes without a close
+                await ws.send(json.dumps({"id": 2, "op": "call", "tool": "nap", "args": {"seconds": 0.2}}))
+                ws.transport.abort()
+            elif index % 3 == 1:  # dropped between calls
+                ws.transport.abort()
+            else:
+                await request(ws, 2, "call", tool="echo", args={"text": "x"})
+                await request(ws, 3, "close")
+        for start in range(0, 150, 50):
+            await asyncio.gather(*(cycle(i) for i in range(start, start + 50)))
+
+    try:
+        killed = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENTS, ws_url(srv, "probe"), "40"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "calling"
+        asyncio.run(churn())
+        killed.kill()
+        killed.wait()
+        assert wait_until(lambda: health(srv)["sessions"] == 0, timeout=10)
+        assert metric(srv, "toolgym_sessions_open", env="probe") == 0
+        assert metric(srv, "toolgym_sessions_total", env="probe") == 190
+        assert metric(srv, "toolgym_sessions_evicted_total", env="probe", reason="expired") == 140
+    finally:
+        srv.stop()

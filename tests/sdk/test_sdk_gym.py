@@ -1,0 +1,97 @@
+"""The Gymnasium bridge both ways."""
+
+from __future__ import annotations
+
+import json
+
+import gymnasium
+import pytest
+
+from environments.gridworld import GridWorldEnv
+from sdk import GymnasiumEnvironment, RemoteEnvironment, ToolEnv, register_environment
+
+BUNDLED_IDS = ["toolgym/IncrementEnv-v0", "toolgym/WordGuessEnv-v0", "toolgym/CalculatorEnv-v0",
+               "toolgym/PythonExecEnv-v0", "toolgym/GridWorldEnv-v0"]
+
+
+def call(name: str, **arguments: object) -> str:
+    return json.dumps({"name": name, "arguments": arguments})
+
+
+@pytest.mark.parametrize("env_id", BUNDLED_IDS)
+def test_bundled_environments_are_registered(env_id):
+    env = gymnasium.make(env_id)
+    observation, info = env.reset(seed=0)
+    assert isinstance(observation, str) and observation
+    assert env.observation_space.contains(observation)
+    assert info["tools"] and all(t["type"] == "function" for t in info["tools"])
+    env.close()
+
+
+def test_counter_episode_through_gymnasium():
+    env = gymnasium.make("toolgym/IncrementEnv-v0")
+    observation, _ = env.reset(options={"target": 3})
+    assert observation == "Increment the counter to 3."
+    assert env.step(call("increment", step=2)) == ("2", 0.0, False, False, {"tool": "increment", "error": False})
+    observation, reward, terminated, truncated, info = env.step(call("increment", step="x"))
+    assert info["error"] is True and observation.startswith("Error:")
+    env.step(call("increment", step=1))
+    assert env.step("I am done.") == ("", 1.0, True, False, {"answer": "I am done."})
+    env.close()
+
+
+def test_truncation_scores_the_episode():
+    env_id = register_environment("environments.counter:IncrementEnv", name="ShortCounter", max_steps=2)
+    env = gymnasium.make(env_id)
+    env.reset(options={"target": 2})
+    assert env.step(call("increment", step=1))[2:4] == (False, False)
+    _, reward, terminated, truncated, _ = env.step(call("increment", step=1))
+    assert (reward, terminated, truncated) == (1.0, False, True)
+
+
+def test_unknown_tool_is_an_error_observation():
+    env = ToolEnv("counter")
+    env.reset()
+    observation, _, _, _, info = env.step(call("jump"))
+    assert info["error"] and "unknown tool 'jump'" in observation
+
+
+def test_gymnasium_env_checker_accepts_the_bridge():
+    from gymnasium.utils.env_checker import check_env as gym_check_env
+
+    gym_check_env(ToolEnv("counter"), skip_render_check=True)
+
+
+def test_remote_environment_through_gymnasium(server):
+    env = ToolEnv(lambda: RemoteEnvironment(server.url, "counter"))
+    assert env.reset(options={"target": 1})[0] == "Increment the counter to 1."
+    assert env.step(call("increment", step=1))[0] == "1"
+    assert env.step("done")[1] == 1.0
+    env.close()
+
+
+def test_grid_world_is_a_gymnasium_text_env_as_toolgym_env():
+    env = GridWorldEnv()
+    prompt = env.reset(seed=0)
+    assert "Actions: left, down, right, up." in prompt and "@FFF" in prompt
+    for move in ("right", "right", "down", "down", "down"):
+        env.step(move)
+    last = env.step("right")
+    assert "Game over." in last and "Reward: 1." in last
+    assert env.get_reward() == 1.0
+    with pytest.raises(RuntimeError, match="game is over"):
+        env.step("left")
+
+
+def test_grid_world_rejects_bad_actions_and_accepts_numbers():
+    env = GridWorldEnv()
+    env.reset()
+    with pytest.raises(ValueError, match="choose one of: left, down, right, up"):
+        env.step("jump")
+    assert env.step("1").startswith("SFFF\n@HFH")  # 1 = down
+
+
+def test_generic_bridge_takes_any_env_id():
+    env = GymnasiumEnvironment("Blackjack-v1")
+    assert "Actions: Discrete(2)" in env.reset(seed=3)
+    assert "Reward:" in env.step("0")
