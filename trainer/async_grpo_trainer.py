@@ -327,7 +327,8 @@ class AsyncGRPOTrainer(Trainer):
             self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
         self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
         self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
-        self.stream.policy_version = version
+        if self.stream is not None:
+            self.stream.policy_version = version
         if self.worker is not None:
             self.worker.channels.model_version.value = version
 

@@ -115,24 +115,24 @@ class MicroBatchStream:
             self.progress.finish(position)
 
     def _next_sample(self, block: bool) -> tuple[int, TrainingSample] | None:
-        if self._held_over is not None:
-            item, self._held_over = self._held_over, None
-            return item
-        while not self._buffer:
-            t0 = time.monotonic()
-            group = self.worker.get(timeout_s=None if block else 0.0)
-            if block:
-                self.wait_s += time.monotonic() - t0
-            if group is None:
-                return None
-            self._receive(group)
-        position, sample = self._buffer.popleft()
-        staleness = self.policy_version - sample.policy_version
-        if staleness > self.max_staleness:
+        """The next sample fresh enough to train on (stale ones are dropped and counted)."""
+        while True:
+            if self._held_over is not None:
+                (position, sample), self._held_over = self._held_over, None
+            else:
+                while not self._buffer:
+                    t0 = time.monotonic()
+                    group = self.worker.get(timeout_s=None if block else 0.0)
+                    if block:
+                        self.wait_s += time.monotonic() - t0
+                    if group is None:
+                        return None
+                    self._receive(group)
+                position, sample = self._buffer.popleft()
+            if self.policy_version - sample.policy_version <= self.max_staleness:
+                return position, sample
             self.metrics.add("sample/dropped_stale_count", 1)
             self._taken(position)
-            return self._next_sample(block)
-        return position, sample
 
     def __next__(self) -> MicroBatch:
         self.metrics.add("rollout/queue_size", self.worker.qsize() + len(self._buffer))
