@@ -84,6 +84,17 @@ def _validate_dataset(dataset: Any, has_env: bool) -> None:
                           f"messages, e.g. [{{'role': 'user', 'content': 'What is 2+2?'}}]; got {first!r:.200}")
 
 
+# Dense peak FLOP/s per device at bf16 (fp32 is not tabulated: MFU is then not logged).
+_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def _peak_flops(device: torch.device, bf16: bool) -> float | None:
+    if device.type != "cuda" or not bf16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
+
+
 class _PipelineCallback(TrainerCallback):
     """Step timing, weight sync, allowance updates and the epoch stop, around each optimizer step."""
 
@@ -172,7 +183,11 @@ class AsyncGRPOTrainer(Trainer):
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        if args.router_aux_loss_coef and not getattr(model.config, "num_experts", None):
+            raise ConfigError(f"router_aux_loss_coef={args.router_aux_loss_coef} is set, but "
+                              f"{type(model).__name__} is not a Mixture-of-Experts model; leave it None")
         enable_tree_attention(model)
+        self._num_params = sum(p.numel() for p in model.parameters())
         self.model_id = str(model_id)
         self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
         self.tools = list(tools or [])
@@ -250,6 +265,11 @@ class AsyncGRPOTrainer(Trainer):
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         max_model_len, kv_tokens = self._server_limits(admin) if self.is_world_process_zero() else (0, None)
         token_budget = args.token_budget or max_model_len
+        if args.top_k > 0 or args.top_p < 1:
+            logger.warning(
+                "top_k=%s / top_p=%s: this server build cannot return each token's candidate set "
+                "(--return-sampling-mask), so log-probs are normalised over the full vocabulary and the "
+                "importance ratios are biased", args.top_k, args.top_p)
         start = int(self._resume_state.get("first_untrained_position", 0))
         version = int(self._resume_state.get("policy_version", 0))
         ctx = spawn_context()
@@ -315,7 +335,7 @@ class AsyncGRPOTrainer(Trainer):
     def floating_point_ops(self, inputs: Any) -> int:
         """6 x parameters x forwarded tokens (forward + backward of the dense layers)."""
         tokens = inputs.forwarded_tokens if isinstance(inputs, MicroBatch) else 0
-        return 6 * sum(p.numel() for p in self.model.parameters()) * tokens
+        return 6 * self._num_params * tokens
 
     def _sync_weights(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -365,6 +385,11 @@ class AsyncGRPOTrainer(Trainer):
         m.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self._step_fwd_bwd_s)
         m.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         m.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        peak = _peak_flops(self.args.device, bf16=bool(args.bf16))
+        if peak:
+            flops = 6 * self._num_params * forwarded
+            m.add_rate("perf/fwd_bwd_mfu", flops / peak, self._step_fwd_bwd_s)
+            m.add_rate("perf/wall_clock_mfu", flops / peak, step_s)
         if self.worker is not None:
             m.add_records(self.worker.drain_metrics())
         if self.rollout_dataset is not None:
