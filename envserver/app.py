@@ -12,7 +12,6 @@ Routes (all behind the bearer token when one is set):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from envserver.auth import BearerAuth
 from envserver.config import ServerConfig
 from envserver.connection import Connection
 from envserver.metrics import ServerMetrics
+from envserver.pool import SyncPool
 from envserver.registry import EnvSpec
 from envserver.sessions import SessionTable
 from sdk import protocol
@@ -38,7 +38,7 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     lifespan.
     """
     metrics = ServerMetrics()
-    pool = concurrent.futures.ThreadPoolExecutor(config.threads, thread_name_prefix="toolgym-env")
+    pool = None if config.inline_sync else SyncPool(config.threads)
     table = SessionTable(config, specs, metrics, pool)
 
     @contextlib.asynccontextmanager
@@ -49,7 +49,8 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
         finally:
             reaper.cancel()
             await table.evict_all()
-            pool.shutdown(wait=False, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown()
 
     app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.table = table
@@ -70,9 +71,11 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     async def environments() -> dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "environments": description}
 
-    @app.websocket(protocol.WS_PATH)
-    async def session_socket(websocket: WebSocket, env: str) -> None:
-        await Connection(websocket, table).serve(env)
+    async def session_socket(websocket: WebSocket) -> None:
+        await Connection(websocket, table).serve(websocket.path_params["env"])
+
+    # A plain Starlette route: FastAPI's dependency machinery would cost every session open.
+    app.router.add_websocket_route(protocol.WS_PATH, session_socket)
 
     return app
 

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call-timeout", type=float, default=d.call_timeout, help="per-request deadline in seconds")
     p.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frame accepted")
     p.add_argument("--threads", type=int, default=d.threads, help="thread pool size for sync environment methods")
+    p.add_argument("--inline-sync", action="store_true",
+                   help="run sync methods on the event loop (only for environments whose methods are all cheap)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -55,7 +57,8 @@ def main(argv: list[str]) -> int:
             host=args.host, port=args.port, token=args.token or token_from_env(),
             max_sessions=args.max_sessions, max_waiting=args.max_waiting, queue_timeout=args.queue_timeout,
             idle_timeout=args.idle_timeout, resume_grace=args.resume_grace, call_timeout=args.call_timeout,
-            max_frame_bytes=args.max_frame_bytes, threads=args.threads, drain_timeout=args.drain_timeout,
+            max_frame_bytes=args.max_frame_bytes, threads=args.threads, inline_sync=args.inline_sync,
+            drain_timeout=args.drain_timeout,
         )
     except (EnvServerError, SpecNotFoundError, ToolDefinitionError) as exc:
         print(f"toolgym serve: {exc}", file=sys.stderr)

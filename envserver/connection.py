@@ -111,13 +111,13 @@ class Connection:
 
     def _hello(self, session: Session, resumed: bool) -> str:
         config = self.table.config
-        return protocol.dumps({
+        head = protocol.dumps({
             "op": Op.HELLO, "v": protocol.PROTOCOL_VERSION, "session": session.id, "env": session.spec.name,
             "resumed": resumed, "last_id": session.last_id,
             "limits": {"call_timeout": config.call_timeout, "idle_timeout": config.idle_timeout,
                        "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes},
-            **session.spec.describe(),
         })
+        return head[:-1] + "," + session.spec.describe_json[1:]  # splice the pre-encoded tools in
 
     async def _serve_frames(self, session: Session) -> None:
         receive, limit = self.ws.receive, self.table.config.max_frame_bytes

@@ -32,6 +32,25 @@ class ServerMetrics:
         )
         self.frame_errors = Counter("toolgym_frame_errors", "Frames refused before dispatch, by code", ["code"], registry=r)
         self._children: dict[tuple[str, ...], tuple[Counter, Histogram]] = {}
+        self._session_children: dict[str, tuple[Gauge, Counter]] = {}
+
+    def session_opened(self, env: str) -> None:
+        """Count a new session of ``env``."""
+        open_now, total = self._session_metrics(env)
+        open_now.inc()
+        total.inc()
+
+    def session_ended(self, env: str, reason: str) -> None:
+        """Count the end of a session; any ``reason`` but ``closed`` is an eviction."""
+        self._session_metrics(env)[0].dec()
+        if reason != "closed":
+            self.sessions_evicted.labels(env, reason).inc()
+
+    def _session_metrics(self, env: str) -> tuple[Gauge, Counter]:
+        children = self._session_children.get(env)
+        if children is None:
+            children = self._session_children[env] = (self.sessions_open.labels(env), self.sessions_total.labels(env))
+        return children
 
     def request(self, env: str, op: str, tool: str, outcome: str, seconds: float) -> None:
         """Count one request and record its latency (``tool`` is ``""`` for non-call ops)."""

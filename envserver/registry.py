@@ -7,6 +7,7 @@ bundled environment (``counter``, ``wordle``, ...); ``sdk.loading`` finds the cl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from envserver.exceptions import EnvSpecError
 from envserver.validation import ArgumentValidator
 from environments import BUNDLED
+from sdk import protocol
 from sdk.loading import load_target
 from sdk.tools import class_tool_schemas
 
@@ -73,6 +75,11 @@ class EnvSpec:
     def describe(self) -> dict[str, Any]:
         """The JSON description served at ``/v1/envs`` and in ``hello``."""
         return {"tools": [info.schema for info in self.tools.values()], "has_reward": self.has_reward}
+
+    @functools.cached_property
+    def describe_json(self) -> str:
+        """``describe()`` encoded once: every ``hello`` frame embeds it."""
+        return protocol.dumps(self.describe())
 
 
 def parse_specs(specs: Iterable[str]) -> dict[str, EnvSpec]:

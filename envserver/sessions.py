@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import secrets
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 
 from envserver.config import ServerConfig
 from envserver.metrics import ServerMetrics
+from envserver.pool import Job, SyncPool
 from envserver.registry import EnvSpec
 from sdk.protocol import ErrorCode
 
@@ -59,12 +59,15 @@ class Session:
         self.last_id = 0
         self.last_reply = ""
         self.inflight: asyncio.Future[None] | None = None  # set while a request runs
-        self.stray: concurrent.futures.Future[Any] | None = None  # sync call past its deadline
+        self.stray: Job | None = None  # a sync call that ran past its deadline
         self.alive = True
 
     async def invoke(self, func: Callable[..., Any], is_async: bool, kwargs: dict[str, Any],
-                     pool: concurrent.futures.Executor, timeout: float) -> Any:
+                     pool: SyncPool | None, timeout: float) -> Any:
         """Run one environment method under the deadline: async on the loop, sync in the pool.
+
+        With ``pool=None`` (``ServerConfig.inline_sync``) a sync method runs on the loop itself and
+        the deadline cannot interrupt it.
 
         Raises:
             SessionBusy: an earlier sync call that timed out is still running.
@@ -72,16 +75,18 @@ class Session:
             Exception: whatever the method raised.
         """
         if self.stray is not None:
-            if not self.stray.done():
+            if not self.stray.finished:
                 raise SessionBusy("an earlier call is still running past its deadline; retry later")
             self.stray = None
         if is_async:
             return await asyncio.wait_for(func(**kwargs), timeout)
-        future = pool.submit(func, **kwargs)
+        if pool is None:
+            return func(**kwargs)
+        job = pool.submit(func, **kwargs)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            return await asyncio.wait_for(job.future, timeout)
         except TimeoutError:
-            self.stray = future  # a thread cannot be cancelled; later requests wait for it
+            self.stray = job  # a thread cannot be cancelled; later requests wait for it
             raise
 
 
@@ -139,7 +144,7 @@ class SessionTable:
     """All sessions of one server, the capacity limit, the reaper and the drain."""
 
     def __init__(self, config: ServerConfig, specs: dict[str, EnvSpec], metrics: ServerMetrics,
-                 pool: concurrent.futures.Executor) -> None:
+                 pool: SyncPool | None) -> None:
         self.config = config
         self.specs = specs
         self.metrics = metrics
@@ -161,7 +166,7 @@ class SessionTable:
         return self._sessions.get(session_id)
 
     async def open(self, spec: EnvSpec) -> Session:
-        """Wait for a slot and make a new session (the constructor runs in the pool).
+        """Wait for a slot and make a new session (the constructor runs like a sync method).
 
         Raises:
             Refused: draining, or full past the queue bound or the queue timeout.
@@ -177,15 +182,20 @@ class SessionTable:
             raise
         loop = asyncio.get_running_loop()
         try:
-            env = await loop.run_in_executor(self.pool, spec.factory)
+            env = await self.run_sync(spec.factory)
         except BaseException:
             self._slots.release()
             raise
         session = Session(spec, env, loop.time())
         self._sessions[session.id] = session
-        self.metrics.sessions_total.labels(spec.name).inc()
-        self.metrics.sessions_open.labels(spec.name).inc()
+        self.metrics.session_opened(spec.name)
         return session
+
+    async def run_sync(self, func: Callable[[], Any]) -> Any:
+        """Run a sync callable in the pool (or on the loop with ``inline_sync``)."""
+        if self.pool is None:
+            return func()
+        return await self.pool.run(func)
 
     async def attach(self, session: Session, peer: Peer) -> None:
         """Attach ``peer`` to ``session``; a peer still attached is told and disconnected (takeover)."""
@@ -207,9 +217,7 @@ class SessionTable:
         session.alive = False
         session.peer = None
         self._slots.release()
-        self.metrics.sessions_open.labels(session.spec.name).dec()
-        if reason != "closed":
-            self.metrics.sessions_evicted.labels(session.spec.name, reason).inc()
+        self.metrics.session_ended(session.spec.name, reason)
         close = getattr(session.env, "close", None)
         if callable(close):
             await self._close_env(session, close)
@@ -219,8 +227,7 @@ class SessionTable:
             if asyncio.iscoroutinefunction(close):
                 await asyncio.wait_for(close(), self.config.call_timeout)
             else:
-                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.pool, close),
-                                       self.config.call_timeout)
+                await asyncio.wait_for(self.run_sync(close), self.config.call_timeout)
         except Exception:
             logger.exception("close() of a %s session raised", session.spec.name)
 

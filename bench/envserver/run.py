@@ -1,0 +1,166 @@
+"""Benchmark: the toolgym env server against OpenEnv 0.10 on the same trivial counter environment.
+
+    .venv/bin/python bench/envserver/run.py                      # full run, prints the table
+    .venv/bin/python bench/envserver/run.py --duration 3 --sessions 16,256 --skip-openenv
+
+Both servers run as one process with one uvicorn worker, pinned to CPU 0 when ``taskset`` exists;
+the load generator (``load.py``, the same client for both) runs in its own process on CPU 1, and
+only against 127.0.0.1. OpenEnv is installed on first use into its own venv under
+``.cache/bench-openenv/`` (``pip install openenv==0.10.0 uvloop``). Figures per server: tool
+calls/s and call latency p50/p99 with 16, 256 and 1,024 sessions calling in a closed loop; the p50
+time to open a session (connect to first reset reply) with 1,024 opening at once; churn sessions/s
+(open, reset, one call, close; 32 workers); and sessions still alive after all that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+OPENENV_VENV = ROOT / ".cache" / "bench-openenv" / "venv"
+OPENENV_VERSION = "0.10.0"
+
+
+def _pinned(cpu: int, command: list[str]) -> list[str]:
+    return ["taskset", "-c", str(cpu), *command] if shutil.which("taskset") else command
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback only)
+        return json.loads(response.read())
+
+
+def ensure_openenv() -> Path:
+    """The OpenEnv venv's python, creating the venv on first use."""
+    python = OPENENV_VENV / "bin" / "python"
+    probe = [str(python), "-c", f"import importlib.metadata as m; assert m.version('openenv') == '{OPENENV_VERSION}'"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"installing openenv=={OPENENV_VERSION} into {OPENENV_VENV.relative_to(ROOT)} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(OPENENV_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"openenv=={OPENENV_VERSION}", "uvloop"], check=True)
+    return python
+
+
+class Server:
+    """A server subprocess; ``live()`` counts its sessions (toolgym) or live environments (OpenEnv)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if kind == "toolgym":
+            command = [sys.executable, "-m", "envserver.cli", "counter", "--port", str(self.port),
+                       "--max-sessions", "4096", "--log-level", "warning"]
+        else:
+            command = [str(ensure_openenv()), str(HERE / "openenv_counter.py"), "--port", str(self.port)]
+        self.process = subprocess.Popen(_pinned(0, command), cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                _get(self.url + "/health")
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{kind} server did not start") from None
+                time.sleep(0.2)
+
+    def live(self) -> int:
+        """Sessions (toolgym) or environment instances (OpenEnv) still alive, after 2 s to settle."""
+        time.sleep(2)
+        if self.kind == "toolgym":
+            return int(_get(self.url + "/health")["sessions"])
+        return int(_get(self.url + "/bench/live")["live"])
+
+    def stop(self) -> None:
+        """Terminate the server and wait for it."""
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def load(mode: str, kind: str, url: str, count: int, duration: float) -> dict[str, Any]:
+    """Run one load phase in a fresh client process; its JSON result."""
+    command = _pinned(1, [sys.executable, str(HERE / "load.py"), mode, kind, url, str(count), str(duration)])
+    output = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600, cwd=ROOT).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def measure(kind: str, sessions: list[int], duration: float, churn_workers: int) -> dict[str, Any]:
+    """Every figure for one server kind."""
+    server = Server(kind)
+    try:
+        results: dict[str, Any] = {"calls": {}}
+        for count in sessions:
+            results["calls"][count] = load("calls", kind, server.url, count, duration)
+            print(f"  {kind} {count:>5} sessions: {json.dumps(results['calls'][count])}", flush=True)
+        results["churn"] = load("churn", kind, server.url, churn_workers, duration)
+        print(f"  {kind} churn: {json.dumps(results['churn'])}", flush=True)
+        results["live"] = server.live()
+        return results
+    finally:
+        server.stop()
+
+
+def table(results: dict[str, dict[str, Any]], sessions: list[int]) -> str:
+    """The comparison as a Markdown table."""
+    kinds = list(results)
+    rows = [f"| figure | {' | '.join(kinds)} |", "|---|" + "---|" * len(kinds)]
+
+    def row(label: str, values: list[str]) -> None:
+        rows.append(f"| {label} | {' | '.join(values)} |")
+
+    for count in sessions:
+        calls = [results[k]["calls"][count] for k in kinds]
+        row(f"tool calls/s, {count} sessions", [f"{c['calls_per_s']:,.0f}" for c in calls])
+        row(f"call latency p50 / p99 (ms), {count} sessions", [f"{c['p50_ms']:.1f} / {c['p99_ms']:.1f}" for c in calls])
+    biggest = max(sessions)
+    row(f"session open p50 (s), {biggest} at once",
+        [f"{results[k]['calls'][biggest]['open_p50_s']:.2f}" for k in kinds])
+    row("churn sessions/s (open, reset, call, close)", [f"{results[k]['churn']['sessions_per_s']:,.0f}" for k in kinds])
+    row("errors (all phases)", [str(sum(c["errors"] for c in results[k]["calls"].values())
+                                    + results[k]["churn"]["errors"]) for k in kinds])
+    row("sessions alive afterwards", [str(results[k]["live"]) for k in kinds])
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the table; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measured phase")
+    parser.add_argument("--sessions", default="16,256,1024", help="comma-separated session counts")
+    parser.add_argument("--churn-workers", type=int, default=32)
+    parser.add_argument("--skip-openenv", action="store_true", help="measure the toolgym server only")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    args = parser.parse_args(argv)
+    sessions = [int(s) for s in args.sessions.split(",")]
+    kinds = ["toolgym"] if args.skip_openenv else ["toolgym", "openenv"]
+    results = {kind: measure(kind, sessions, args.duration, args.churn_workers) for kind in kinds}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    print()
+    print(table(results, sessions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
