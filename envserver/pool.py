@@ -1,10 +1,11 @@
 """The thread pool for sync environment methods, with batched hand-offs between loop and threads.
 
 ``loop.run_in_executor`` costs two thread wake-ups per call (one to start it, one self-pipe write
-to return the result): on a small VM that is most of a trivial tool call's cost. Here a submission
-wakes a worker only when one is asleep, a worker drains every queued job before sleeping, and
-results go back to the loop in one callback per batch. A worker wakes a sleeping peer before it
-runs a job while others wait, so one slow method never holds up the jobs queued behind it.
+to return the result): on a small VM that is most of a trivial tool call's cost. Here every
+submission still gets a worker of its own (a sleeping one is woken, or a new one started, up to the
+limit), so one slow method never holds up the jobs queued behind it; but a worker drains every
+queued job before it sleeps, and results go back to the loop in one callback per batch, so under
+load most hand-offs cost no wake-up at all.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class SyncPool:
         job = Job(self._loop.create_future(), func, kwargs)
         self._jobs.append(job)
         with self._wakeup:
-            if self._idle:
+            if self._idle:  # every job gets a worker of its own, woken or started for it
+                self._idle -= 1  # counted here, not by the woken thread: the next job wakes another
                 self._wakeup.notify()
             elif len(self._threads) < self._max_workers:
                 thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
@@ -76,10 +78,7 @@ class SyncPool:
                         return
                     self._idle += 1
                     self._wakeup.wait()
-                    self._idle -= 1
                 job = self._jobs.popleft()
-                if self._jobs and self._idle:
-                    self._wakeup.notify()  # others are waiting: let a peer take them meanwhile
             try:
                 outcome: tuple[Job, Any, BaseException | None] = (job, job.func(**job.kwargs), None)
             except BaseException as exc:  # handed to the awaiting coroutine, as run_in_executor does

@@ -75,7 +75,9 @@ class ServerThread:
         return self.server.table
 
     def start(self) -> ServerThread:
-        """Start serving and wait until the socket listens."""
+        """Start serving and wait until the socket listens (no-op when already started)."""
+        if self._thread.is_alive():
+            return self
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout
         while not self.server.started:

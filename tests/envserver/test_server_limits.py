@@ -14,12 +14,7 @@ import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
-from toolgym_fixtures import health, http_get, make_server, wait_until, ws_url
-
-
-async def request(ws: Any, rid: int, op: str, **fields: Any) -> dict[str, Any]:
-    await ws.send(json.dumps({"id": rid, "op": op, **fields}))
-    return json.loads(await ws.recv())
+from toolgym_fixtures import health, http_get, make_server, request, wait_until, ws_url
 
 
 def metric(server: Any, name: str, **labels: str) -> float:
@@ -33,28 +28,27 @@ def metric(server: Any, name: str, **labels: str) -> float:
 
 
 def test_full_server_queues_then_refuses_with_server_full():
-    srv = make_server(max_sessions=2, max_waiting=1, queue_timeout=0.6)
+    with make_server(max_sessions=2, max_waiting=1, queue_timeout=0.6) as srv:
 
-    async def scenario():
-        a = await websockets.connect(ws_url(srv, "counter"))
-        b = await websockets.connect(ws_url(srv, "counter"))
-        await a.recv(), await b.recv()
-        queued = await websockets.connect(ws_url(srv, "counter"))
-        await asyncio.sleep(0.1)
-        waiting = health(srv)["waiting"]
-        async with websockets.connect(ws_url(srv, "counter")) as refused:
-            full = json.loads(await refused.recv())
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(queued.recv(), 0.1)  # still queued: no hello yet
-        await request(a, 1, "close")
-        hello = json.loads(await asyncio.wait_for(queued.recv(), 2))
-        async with websockets.connect(ws_url(srv, "counter")) as late:  # waits 0.6 s, then gives up
-            timed_out = json.loads(await late.recv())
-        for ws, rid in ((b, 1), (queued, 1)):
-            await request(ws, rid, "close")
-        return waiting, full, hello, timed_out
+        async def scenario():
+            a = await websockets.connect(ws_url(srv, "counter"))
+            b = await websockets.connect(ws_url(srv, "counter"))
+            await a.recv(), await b.recv()
+            queued = await websockets.connect(ws_url(srv, "counter"))
+            await asyncio.sleep(0.1)
+            waiting = health(srv)["waiting"]
+            async with websockets.connect(ws_url(srv, "counter")) as refused:
+                full = json.loads(await refused.recv())
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(queued.recv(), 0.1)  # still queued: no hello yet
+            await request(a, 1, "close")
+            hello = json.loads(await asyncio.wait_for(queued.recv(), 2))
+            async with websockets.connect(ws_url(srv, "counter")) as late:  # waits 0.6 s, then gives up
+                timed_out = json.loads(await late.recv())
+            for ws, rid in ((b, 1), (queued, 1)):
+                await request(ws, rid, "close")
+            return waiting, full, hello, timed_out
 
-    try:
         waiting, full, hello, timed_out = asyncio.run(scenario())
         assert waiting == 1
         assert full["op"] == "bye" and full["error"]["code"] == "server_full"
@@ -62,48 +56,42 @@ def test_full_server_queues_then_refuses_with_server_full():
         assert timed_out["error"]["code"] == "server_full" and "within 0.6 s" in timed_out["error"]["message"]
         assert metric(srv, "toolgym_sessions_rejected_total", reason="server_full") == 2
         assert health(srv)["sessions"] == 0
-    finally:
-        srv.stop()
 
 
 def test_idle_sessions_are_reaped_and_counted():
-    srv = make_server(idle_timeout=0.3)
+    with make_server(idle_timeout=0.3) as srv:
 
-    async def scenario():
-        async with websockets.connect(ws_url(srv, "counter")) as ws:
-            await ws.recv()
-            await request(ws, 1, "reset")
-            bye = json.loads(await asyncio.wait_for(ws.recv(), 3))
-            with pytest.raises(websockets.ConnectionClosed):
+        async def scenario():
+            async with websockets.connect(ws_url(srv, "counter")) as ws:
                 await ws.recv()
-        return bye
+                await request(ws, 1, "reset")
+                bye = json.loads(await asyncio.wait_for(ws.recv(), 3))
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+            return bye
 
-    try:
         bye = asyncio.run(scenario())
         assert bye["op"] == "bye" and bye["error"]["code"] == "session_evicted" and "idle" in bye["error"]["message"]
         assert metric(srv, "toolgym_sessions_evicted_total", env="counter", reason="idle") == 1
         assert metric(srv, "toolgym_sessions_open", env="counter") == 0
-    finally:
-        srv.stop()
 
 
 def test_call_deadline_fails_the_call_not_the_session():
-    srv = make_server(call_timeout=0.3)
+    with make_server(call_timeout=0.3) as srv:
 
-    async def scenario():
-        async with websockets.connect(ws_url(srv, "probe")) as ws:
-            await ws.recv()
-            await request(ws, 1, "reset")
-            async_late = await request(ws, 2, "call", tool="anap", args={"seconds": 2})
-            after_async = await request(ws, 3, "call", tool="echo", args={"text": "a"})
-            sync_late = await request(ws, 4, "call", tool="nap", args={"seconds": 0.6})
-            busy = await request(ws, 5, "call", tool="echo", args={"text": "b"})
-            await asyncio.sleep(0.5)
-            recovered = await request(ws, 6, "call", tool="echo", args={"text": "c"})
-            await request(ws, 7, "close")
-        return async_late, after_async, sync_late, busy, recovered
+        async def scenario():
+            async with websockets.connect(ws_url(srv, "probe")) as ws:
+                await ws.recv()
+                await request(ws, 1, "reset")
+                async_late = await request(ws, 2, "call", tool="anap", args={"seconds": 2})
+                after_async = await request(ws, 3, "call", tool="echo", args={"text": "a"})
+                sync_late = await request(ws, 4, "call", tool="nap", args={"seconds": 0.6})
+                busy = await request(ws, 5, "call", tool="echo", args={"text": "b"})
+                await asyncio.sleep(0.5)
+                recovered = await request(ws, 6, "call", tool="echo", args={"text": "c"})
+                await request(ws, 7, "close")
+            return async_late, after_async, sync_late, busy, recovered
 
-    try:
         async_late, after_async, sync_late, busy, recovered = asyncio.run(scenario())
         assert async_late["error"]["code"] == "call_timeout"
         assert after_async["result"] == "a"
@@ -111,8 +99,6 @@ def test_call_deadline_fails_the_call_not_the_session():
         assert busy["error"]["code"] == "session_busy"
         assert recovered["result"] == "c"
         assert metric(srv, "toolgym_requests_total", env="probe", op="call", tool="anap", outcome="call_timeout") == 1
-    finally:
-        srv.stop()
 
 
 def test_slow_tool_does_not_block_other_sessions(server):
@@ -177,25 +163,24 @@ _KILLED_CLIENTS = textwrap.dedent("""
 
 
 def test_churn_with_clients_killed_mid_call_leaves_no_session():
-    srv = make_server(resume_grace=0.3, threads=64)
+    with make_server(resume_grace=0.3, threads=64) as srv:
 
-    async def churn() -> None:
-        async def cycle(index: int) -> None:
-            ws = await websockets.connect(ws_url(srv, "probe"))
-            await ws.recv()
-            await request(ws, 1, "reset")
-            if index % 3 == 0:  # killed mid-call: the socket vanishes without a close
-                await ws.send(json.dumps({"id": 2, "op": "call", "tool": "nap", "args": {"seconds": 0.2}}))
-                ws.transport.abort()
-            elif index % 3 == 1:  # dropped between calls
-                ws.transport.abort()
-            else:
-                await request(ws, 2, "call", tool="echo", args={"text": "x"})
-                await request(ws, 3, "close")
-        for start in range(0, 150, 50):
-            await asyncio.gather(*(cycle(i) for i in range(start, start + 50)))
+        async def churn() -> None:
+            async def cycle(index: int) -> None:
+                ws = await websockets.connect(ws_url(srv, "probe"))
+                await ws.recv()
+                await request(ws, 1, "reset")
+                if index % 3 == 0:  # killed mid-call: the socket vanishes without a close
+                    await ws.send(json.dumps({"id": 2, "op": "call", "tool": "nap", "args": {"seconds": 0.2}}))
+                    ws.transport.abort()
+                elif index % 3 == 1:  # dropped between calls
+                    ws.transport.abort()
+                else:
+                    await request(ws, 2, "call", tool="echo", args={"text": "x"})
+                    await request(ws, 3, "close")
+            for start in range(0, 150, 50):
+                await asyncio.gather(*(cycle(i) for i in range(start, start + 50)))
 
-    try:
         killed = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENTS, ws_url(srv, "probe"), "40"],
                                   stdout=subprocess.PIPE, text=True)
         assert killed.stdout is not None and killed.stdout.readline().strip() == "calling"
@@ -206,5 +191,3 @@ def test_churn_with_clients_killed_mid_call_leaves_no_session():
         assert metric(srv, "toolgym_sessions_open", env="probe") == 0
         assert metric(srv, "toolgym_sessions_total", env="probe") == 190
         assert metric(srv, "toolgym_sessions_evicted_total", env="probe", reason="expired") == 140
-    finally:
-        srv.stop()

@@ -10,12 +10,7 @@ import pytest
 import websockets
 
 from sdk import protocol
-from toolgym_fixtures import health, http_get, make_server, ws_url
-
-
-async def request(ws: Any, rid: int, op: str, **fields: Any) -> dict[str, Any]:
-    await ws.send(json.dumps({"id": rid, "op": op, **fields}))
-    return json.loads(await ws.recv())
+from toolgym_fixtures import health, http_get, make_server, request, ws_url
 
 
 def run(coro: Any) -> Any:

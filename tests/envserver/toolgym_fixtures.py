@@ -25,6 +25,7 @@ __all__ = [
     "health",
     "http_get",
     "make_server",
+    "request",
     "server",
     "wait_until",
     "ws_url",
@@ -101,6 +102,12 @@ class NoRewardEnv:
     def ping(self) -> str:
         """Answer pong."""
         return "pong"
+
+
+async def request(ws: Any, rid: int, op: str, **fields: Any) -> dict[str, Any]:
+    """Send one request frame on a raw WebSocket and return the decoded reply."""
+    await ws.send(json.dumps({"id": rid, "op": op, **fields}))
+    return json.loads(await ws.recv())
 
 
 def make_server(**config: Any) -> ServerThread:
