@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.batching import MicroBatch, MicroBatchStream
+from trainer.chat_template import check_prefix_preserving
 from trainer.config import AsyncGRPOConfig
 from trainer.errors import ConfigError
 from trainer.logprobs import forward_packed
@@ -179,6 +180,12 @@ class AsyncGRPOTrainer(Trainer):
                 model_id, trust_remote_code=args.trust_remote_code, revision=init_kwargs.get("revision"))
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
+        if (tools or environment_factory) and not check_prefix_preserving(
+                processing_class, **dict(args.chat_template_kwargs or {})):
+            logger.warning(
+                "the chat template of %s does not keep the token prefix across tool-calling turns: every turn "
+                "will fork a new training sequence (correct, but each fork re-forwards the conversation; see "
+                "rollout/fork_frac). Pass a processing_class whose template renders history unchanged.", model_id)
         if peft_config is not None:
             from peft import get_peft_model
 
