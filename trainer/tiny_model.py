@@ -51,8 +51,9 @@ ENGLISH_TEXT = Path(__file__).parent / "data" / "english.txt"
 # completions keep them (as with Qwen).
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
 MARKER_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_PRETOKENIZE_REGEX = (  # transformers' Qwen2Tokenizer pattern: one digit per token
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 _SUBJECTS = (
@@ -96,7 +97,9 @@ def _english(rng: random.Random, count: int) -> Iterator[str]:
 def _corpus() -> Iterator[str]:
     """The tokenizer's training text, with special tokens cut out (they are added, not learned)."""
     transcripts = synthetic_transcripts(WarmStartConfig(task="all", seed=0, num_transcripts=300))
-    rendered = (render_jinja_template([t.messages], tools=t.tools, chat_template=CHAT_TEMPLATE)[0][0] for t in transcripts)
+    rendered = (
+        render_jinja_template([t.messages], tools=t.tools, chat_template=CHAT_TEMPLATE)[0][0] for t in transcripts
+    )
     special = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS, *MARKER_TOKENS)))
     english = ENGLISH_TEXT.read_text(encoding="utf-8").splitlines()
     for text in itertools.chain(rendered, _english(random.Random(0), 6000), english):

@@ -48,18 +48,25 @@ def test_template_is_prefix_preserving(tokenizer: PreTrainedTokenizerBase, with_
 def test_check_detects_a_template_that_rewrites_history(tokenizer: PreTrainedTokenizerBase) -> None:
     rewriting = copy.deepcopy(tokenizer)
     # Drop the tool calls of past assistant turns, as reasoning templates do with their thoughts.
-    rewriting.chat_template = CHAT_TEMPLATE.replace("message.tool_calls or []", "(message.tool_calls if loop.last else []) or []")
+    rewriting.chat_template = CHAT_TEMPLATE.replace(
+        "message.tool_calls or []", "(message.tool_calls if loop.last else []) or []"
+    )
     assert not check_prefix_preserving(rewriting, counter_tools())
 
 
 def test_render_prompt_ids_ends_with_the_generation_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Increment the counter to 3."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Increment the counter to 3."},
+    ]
     ids = render_prompt_ids(tokenizer, messages, counter_tools())
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert '"name": "increment"' in text and "Value to add to the counter." in text
     assert text.endswith("<|im_start|>user\nIncrement the counter to 3.<|im_end|>\n<|im_start|>assistant\n")
-    assert ids == tokenizer.apply_chat_template(messages, tools=counter_tools(), add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == tokenizer.apply_chat_template(
+        messages, tools=counter_tools(), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_system_prompt_without_tools_and_tool_messages_grouped(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -88,11 +95,17 @@ def test_a_misplaced_system_message_is_refused(tokenizer: PreTrainedTokenizerBas
     "message",
     [
         {"role": "assistant", "content": "", "tool_calls": [_call("increment", {"step": 2})]},
-        {"role": "assistant", "content": "Two calls.", "tool_calls": [_call("a", {"q": "é ü"}), _call("b", {"n": [1, {"k": None}]})]},
+        {
+            "role": "assistant",
+            "content": "Two calls.",
+            "tool_calls": [_call("a", {"q": "é ü"}), _call("b", {"n": [1, {"k": None}]})],
+        },
         {"role": "assistant", "content": "The counter is now 4."},
     ],
 )
-def test_tool_calls_round_trip_through_render_parse_and_rebuild(tokenizer: PreTrainedTokenizerBase, message: dict[str, Any]) -> None:
+def test_tool_calls_round_trip_through_render_parse_and_rebuild(
+    tokenizer: PreTrainedTokenizerBase, message: dict[str, Any]
+) -> None:
     text = _assistant_text(tokenizer, message)
     content, calls = parse_tool_calls(text)
     assert content == message["content"]
@@ -103,7 +116,10 @@ def test_tool_calls_round_trip_through_render_parse_and_rebuild(tokenizer: PreTr
 
 
 def test_parse_keeps_emitted_order_and_strips_blocks_from_content() -> None:
-    text = 'First <tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call> then <tool_call> {"name": "a"} </tool_call>'
+    text = (
+        'First <tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+        ' then <tool_call> {"name": "a"} </tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "First  then"
     assert calls == [{"name": "b", "arguments": {"x": 1}}, {"name": "a", "arguments": {}}]
@@ -117,14 +133,16 @@ def test_arguments_given_as_a_json_string_are_decoded() -> None:
 @pytest.mark.parametrize(
     ("block", "name", "error"),
     [
-        ('<tool_call>\n{"name": "increment", "arguments": {"step": }\n</tool_call>', None, "invalid tool call JSON: Expecting value"),
+        ('<tool_call>\n{"name": "increment", "arguments": {"step": }\n</tool_call>', None, "JSON: Expecting value"),
         ("<tool_call>\n[1, 2]\n</tool_call>", None, "expected"),
         ('<tool_call>\n{"arguments": {}}\n</tool_call>', None, "expected"),
-        ('<tool_call>\n{"name": "increment", "arguments": [2]}\n</tool_call>', "increment", "arguments must be a JSON object"),
+        ('<tool_call>\n{"name": "increment", "arguments": [2]}\n</tool_call>', "increment", "must be a JSON object"),
         ('<tool_call>\n{"name": "increment", "arguments": {"step": 2', None, "unterminated tool call"),
     ],
 )
-def test_malformed_tool_calls_become_failure_records(tokenizer: PreTrainedTokenizerBase, block: str, name: str | None, error: str) -> None:
+def test_malformed_tool_calls_become_failure_records(
+    tokenizer: PreTrainedTokenizerBase, block: str, name: str | None, error: str
+) -> None:
     text = f"Trying.\n{CALL}\n{block}"
     content, calls = parse_tool_calls(text)
     assert content == "Trying."
@@ -162,7 +180,9 @@ def test_assistant_tokens_mask_covers_the_generated_tokens(tokenizer: PreTrained
         {"role": "tool", "content": "2"},
         {"role": "assistant", "content": "The counter is now 2."},
     ]
-    out = tokenizer.apply_chat_template(messages, tools=counter_tools(), return_assistant_tokens_mask=True, return_dict=True)
+    out = tokenizer.apply_chat_template(
+        messages, tools=counter_tools(), return_assistant_tokens_mask=True, return_dict=True
+    )
     trained = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
     assert tokenizer.decode(trained) == f"{CALL}<|im_end|>The counter is now 2.<|im_end|>"
 

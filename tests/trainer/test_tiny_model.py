@@ -22,7 +22,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def test_same_seed_gives_identical_files_and_another_seed_only_other_weights(tiny_dir: Path, tmp_path: Path) -> None:
+def test_same_seed_gives_identical_files_and_another_seed_only_other_weights(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     again = _digests(build_tiny_model(tmp_path / "again", seed=0))
     assert again == _digests(tiny_dir)
     other = _digests(build_tiny_model(tmp_path / "other", seed=1))
@@ -69,7 +71,8 @@ def test_tokenizer_splits_digits_and_round_trips_any_text(tiny_dir: Path) -> Non
 def test_chat_template_is_stored_in_the_tokenizer_config(tiny_dir: Path) -> None:
     assert "chat_template" in (tiny_dir / "tokenizer_config.json").read_text()
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    conversation = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -14,16 +14,17 @@ from transformers.utils import get_json_schema
 from environments.counter import IncrementEnv
 from trainer.chat_template import check_prefix_preserving
 from trainer.tiny_model import build_tiny_model, main
+from trainer.tree_attention import TREE_ATTENTION
 from trainer.warm_start import WarmStartConfig, evaluate, synthetic_transcripts, warm_start
 
-TINY_RUN = WarmStartConfig(task="all", seed=0, max_steps=6, batch_size=4, num_transcripts=12)
+TINY_RUN = WarmStartConfig(task="all", seed=0, steps_per_task=3, batch_size=4)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"task": "chess"}, "task must be one of"),
-        ({"max_steps": 0}, "must all be >= 1"),
+        ({"steps_per_task": 0}, "steps_per_task must be >= 1"),
         ({"counter_steps": (0, 1)}, "counter_steps must be positive"),
         ({"exact_step_prob": 1.5}, r"exact_step_prob must be in \[0, 1\]"),
     ],
@@ -56,7 +57,8 @@ def _target(prompt: str) -> int:
 
 
 def test_arithmetic_transcripts_box_a_sometimes_wrong_sum() -> None:
-    transcripts = synthetic_transcripts(WarmStartConfig(task="arithmetic", num_transcripts=400, arithmetic_error_rate=0.3))
+    config = WarmStartConfig(task="arithmetic", num_transcripts=400, arithmetic_error_rate=0.3)
+    transcripts = synthetic_transcripts(config)
     for t in transcripts:
         assert t.tools is None and t.messages[1]["content"].startswith("The answer is \\boxed{")
     assert 0.6 < sum(t.success for t in transcripts) / len(transcripts) < 0.8
@@ -83,8 +85,10 @@ def test_a_few_sft_steps_lower_the_loss_and_change_every_weight(tmp_path: Path) 
     after = load_file(model_dir / "model.safetensors")
     unchanged = [name for name, tensor in before.items() if torch.equal(tensor, after[name])]
     assert unchanged == []
-    # Still a loadable model with the same tokenizer and template; deterministic given the seed.
-    AutoModelForCausalLM.from_pretrained(model_dir)
+    # Still an ordinary loadable model (no trace of the tree attention used for training), with the
+    # same tokenizer and template; deterministic given the seed.
+    assert TREE_ATTENTION not in (model_dir / "config.json").read_text()
+    assert AutoModelForCausalLM.from_pretrained(model_dir).config._attn_implementation != TREE_ATTENTION
     assert check_prefix_preserving(AutoTokenizer.from_pretrained(model_dir))
     again = build_tiny_model(tmp_path / "b", seed=0)
     warm_start(again, TINY_RUN)
