@@ -288,6 +288,10 @@ def check_prefix_preserving(
 
     Returns:
         ``True`` when every stage extends the previous one token by token.
+
+    Raises:
+        Whatever ``apply_chat_template`` raises for a template that cannot render a tool
+        conversation at all (no template, ``TemplateError``): the rollout loop could not run either.
     """
     stages = _synthetic_stages(tools)
     prompts = [render_prompt_ids(tokenizer, stage, tools, **kw) for stage in stages]
