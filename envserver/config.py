@@ -32,7 +32,7 @@ class ServerConfig:
             over ``4 * max_frame_bytes`` close the connection (code 1009) before being read.
         threads: Size of the thread pool that runs sync environment methods (and constructors).
         inline_sync: Run sync environment methods on the event loop instead of the thread pool.
-            Saves a thread hand-off per request (about 30 % more calls/s for trivial environments)
+            Saves a thread hand-off per request (less CPU per call for trivial environments)
             but a slow or blocking sync method then stalls every session and the call deadline
             cannot interrupt it: only for environments whose methods are all cheap. Off by default.
         drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.

@@ -37,7 +37,6 @@ class Connection:
     def __init__(self, ws: WebSocket, table: SessionTable) -> None:
         self.ws = ws
         self.table = table
-        self.session: Session | None = None
         self._closed = False
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Awaitable[Any]]] = {
             Op.RESET: self._reset, Op.CALL: self._call, Op.REWARD: self._reward,
@@ -105,7 +104,6 @@ class Connection:
                 logger.exception("constructing %s failed", spec.name)
                 await self.bye(ErrorCode.ENVIRONMENT_ERROR, f"environment constructor raised {_describe(exc)}")
                 return None
-        self.session = session
         await table.attach(session, self)
         return session
 

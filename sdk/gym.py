@@ -5,7 +5,8 @@
   ``{"name": "increment", "arguments": {"step": 1}}``, and any other text is the final answer,
   which ends the episode with ``get_reward()`` as its reward. ``register_environment`` registers
   one as ``toolgym/<Name>-v0``; importing this module registers the bundled environments, so
-  ``gymnasium.make("toolgym/IncrementEnv-v0")`` works after ``import sdk``.
+  ``gymnasium.make("toolgym/IncrementEnv-v0")`` works after ``import sdk``, and
+  ``gymnasium.make("sdk:toolgym/IncrementEnv-v0")`` works without it.
 * ``GymnasiumEnvironment``: a Gymnasium env with text-describable observations as a toolgym
   environment with one ``step(action)`` tool; the episode's return is its reward.
 """

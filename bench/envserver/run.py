@@ -1,6 +1,7 @@
 """Benchmark: the toolgym env server against OpenEnv 0.10 on the same trivial counter environment.
 
     .venv/bin/python bench/envserver/run.py                      # full run, prints the table
+    .venv/bin/python bench/envserver/run.py --with-inline        # adds toolgym with --inline-sync
     .venv/bin/python bench/envserver/run.py --duration 3 --sessions 16,256 --skip-openenv
 
 Both servers run as one process with one uvicorn worker, pinned to CPU 0 when ``taskset`` exists;
@@ -9,14 +10,18 @@ only against 127.0.0.1. OpenEnv is installed on first use into its own venv unde
 ``.cache/bench-openenv/`` (``pip install openenv==0.10.0 uvloop``). Figures per server: tool
 calls/s and call latency p50/p99 with 16, 256 and 1,024 sessions calling in a closed loop; the p50
 time to open a session (connect to first reset reply) with 1,024 opening at once; churn sessions/s
-(open, reset, one call, close; 32 workers); and sessions still alive after all that.
+(open, reset, one call, close; 32 workers); and sessions still alive after all that (worst round).
+The servers take turns over ``--repeat`` rounds and the table shows each figure's median, since a
+shared machine's load moves the figures between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import socket
 import subprocess
 import sys
@@ -65,9 +70,11 @@ class Server:
         self.kind = kind
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if kind == "toolgym":
+        if kind.startswith("toolgym"):
             command = [sys.executable, "-m", "envserver.cli", "counter", "--port", str(self.port),
                        "--max-sessions", "4096", "--log-level", "warning"]
+            if kind == "toolgym-inline":
+                command.append("--inline-sync")
         else:
             command = [str(ensure_openenv()), str(HERE / "openenv_counter.py"), "--port", str(self.port)]
         self.process = subprocess.Popen(_pinned(0, command), cwd=ROOT)
@@ -84,7 +91,7 @@ class Server:
     def live(self) -> int:
         """Sessions (toolgym) or environment instances (OpenEnv) still alive, after 2 s to settle."""
         time.sleep(2)
-        if self.kind == "toolgym":
+        if self.kind.startswith("toolgym"):
             return int(_get(self.url + "/health")["sessions"])
         return int(_get(self.url + "/bench/live")["live"])
 
@@ -100,7 +107,8 @@ class Server:
 
 def load(mode: str, kind: str, url: str, count: int, duration: float) -> dict[str, Any]:
     """Run one load phase in a fresh client process; its JSON result."""
-    command = _pinned(1, [sys.executable, str(HERE / "load.py"), mode, kind, url, str(count), str(duration)])
+    protocol = "openenv" if kind == "openenv" else "toolgym"
+    command = _pinned(1, [sys.executable, str(HERE / "load.py"), mode, protocol, url, str(count), str(duration)])
     output = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600, cwd=ROOT).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -121,6 +129,16 @@ def measure(kind: str, sessions: list[int], duration: float, churn_workers: int)
         server.stop()
 
 
+def median_of(runs: list[Any]) -> Any:
+    """The element-wise median of equally shaped results (dicts of numbers, nested)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: median_of([run[key] for run in runs]) for key in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(runs)
+    return first
+
+
 def table(results: dict[str, dict[str, Any]], sessions: list[int]) -> str:
     """The comparison as a Markdown table."""
     kinds = list(results)
@@ -139,7 +157,7 @@ def table(results: dict[str, dict[str, Any]], sessions: list[int]) -> str:
     row("churn sessions/s (open, reset, call, close)", [f"{results[k]['churn']['sessions_per_s']:,.0f}" for k in kinds])
     row("errors (all phases)", [str(sum(c["errors"] for c in results[k]["calls"].values())
                                     + results[k]["churn"]["errors"]) for k in kinds])
-    row("sessions alive afterwards", [str(results[k]["live"]) for k in kinds])
+    row("sessions alive afterwards (worst round)", [str(results[k]["live"]) for k in kinds])
     return "\n".join(rows)
 
 
@@ -149,14 +167,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measured phase")
     parser.add_argument("--sessions", default="16,256,1024", help="comma-separated session counts")
     parser.add_argument("--churn-workers", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds, the servers interleaved; the table shows per-figure medians")
     parser.add_argument("--skip-openenv", action="store_true", help="measure the toolgym server only")
+    parser.add_argument("--with-inline", action="store_true",
+                        help="also measure the toolgym server with --inline-sync (sync methods on the loop)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
     sessions = [int(s) for s in args.sessions.split(",")]
-    kinds = ["toolgym"] if args.skip_openenv else ["toolgym", "openenv"]
-    results = {kind: measure(kind, sessions, args.duration, args.churn_workers) for kind in kinds}
+    kinds = ["toolgym"] + (["toolgym-inline"] if args.with_inline else []) + ([] if args.skip_openenv else ["openenv"])
+    rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    for round_index in range(args.repeat):
+        print(f"round {round_index + 1}/{args.repeat}", flush=True)
+        for kind in kinds:
+            rounds[kind].append(measure(kind, sessions, args.duration, args.churn_workers))
+    print(f"load average after: {os.getloadavg()}", flush=True)
+    results = {kind: median_of(runs) for kind, runs in rounds.items()}
+    results_live = {kind: max(run["live"] for run in runs) for kind, runs in rounds.items()}
+    for kind in kinds:
+        results[kind]["live"] = results_live[kind]  # the worst round, not the median
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(rounds, indent=2))
     print()
     print(table(results, sessions))
     return 0
