@@ -141,7 +141,7 @@ def _load_dataset(spec: str | None) -> Any:
 
 
 @contextlib.contextmanager
-def _envserver(target: str) -> Iterator[str]:
+def serve_environment(target: str) -> Iterator[str]:
     """Serve ``target`` on a local env server subprocess; yields its base URL."""
     from trainer.vllm_server import free_port
 
@@ -177,7 +177,7 @@ def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
         base, _, name = spec.rpartition("/")
         return remote_factory(base, name)
     if run.launch_envserver:
-        url = stack.enter_context(_envserver(spec))
+        url = stack.enter_context(serve_environment(spec))
         cls = load_target(spec)
         return remote_factory(url, getattr(cls, "__name__", spec.split(":")[-1]))
     return load_target(spec)
