@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -16,15 +17,14 @@ from trainer.chat_template import (
     parse_tool_calls,
     render_prompt_ids,
 )
-from trainer.tiny_model import build_tiny_model
 from trainer.warm_start import counter_tools
 
 CALL = '<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
