@@ -199,9 +199,11 @@ class AsyncRolloutLoop:
                 self.score_queue_maxsize)
             background = [asyncio.create_task(c) for c in (
                 self._heartbeat(), self._poll_load(), self._flush_metrics(), self._score_forever())]
+            self._group_failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             producer = asyncio.create_task(self._produce())
             stop = asyncio.create_task(self._wait_stop())
-            done, _ = await asyncio.wait([producer, stop, *background], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([producer, stop, self._group_failure, *background],
+                                         return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stop and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
@@ -300,10 +302,14 @@ class AsyncRolloutLoop:
             self.allowance.started()
             task = asyncio.create_task(self._run_group(position, row_index, row))
             groups.add(task)
+            task.add_done_callback(self._group_done)
             task.add_done_callback(groups.discard)
-            for finished in [g for g in groups if g.done()]:
-                finished.result()
             await asyncio.sleep(0)
+
+    def _group_done(self, task: asyncio.Task[None]) -> None:
+        """A group task ended: its failure (the server is gone, a hook raised...) stops the run."""
+        if not task.cancelled() and task.exception() is not None and not self._group_failure.done():
+            self._group_failure.set_exception(task.exception())  # type: ignore[arg-type]
 
     async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
         version = int(self.channels.model_version.value)

@@ -146,7 +146,8 @@ def serve_environment(target: str) -> Iterator[str]:
     from trainer.vllm_server import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", target, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", target, "--port", str(port),
+                             "--log-level", "warning"],
                             stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import signal
 import socket
@@ -37,6 +38,7 @@ from types import TracebackType
 from trainer.errors import VLLMServerError
 
 LOG_TAIL_CHARS = 6000
+logger = logging.getLogger(__name__)
 
 
 def is_cpu_build() -> bool:
@@ -226,6 +228,9 @@ class VLLMServer:
         if proc is None:
             return
         atexit.unregister(self.stop)
+        if proc.poll() is not None:  # it died on its own: say why before its log is deleted
+            logger.error("the vLLM server had exited with code %s; the end of its log:\n%s",
+                         proc.returncode, self.log_tail())
         try:
             pgid = os.getpgid(proc.pid)
         except ProcessLookupError:
