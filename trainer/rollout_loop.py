@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sdk.exceptions import ToolgymError
 from sdk.tools import Tool, environment_tools
 from trainer.chat_template import build_assistant_message, parse_tool_calls, render_prompt_ids
 from trainer.concurrency import AdaptiveCap, TokenAllowance
@@ -360,8 +361,11 @@ class AsyncRolloutLoop:
                 tools += environment_tools(env)
             if not prompt:
                 raise _RolloutFailed("the rollout has no prompt: the dataset row has no 'prompt' and reset() returned None")
-            rollout = await self.generate_one(prompt, tools, group_id=position)
-            env_reward = await self._env_reward(env) if env is not None else None
+            try:
+                rollout = await self.generate_one(prompt, tools, group_id=position)
+                env_reward = await self._env_reward(env) if env is not None else None
+            except ToolgymError as exc:  # the env server or its session failed, not the model
+                raise _RolloutFailed(f"environment {type(env).__name__}: {type(exc).__name__}: {exc}") from exc
             self._failed_in_a_row = 0
             return prompt, rollout, env_reward
         except _RolloutFailed as exc:

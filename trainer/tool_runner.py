@@ -5,7 +5,8 @@ method of a local environment, or a method of a remote one (an async call over i
 all three look the same here. Sync callables run on a thread pool (``max_concurrent_rollouts``
 threads) so a slow tool only slows its own rollout; async ones are awaited on the loop. Calls run
 in the order the model emitted them. A malformed call, an unknown name or a tool that raises
-becomes an ``Error: ...`` tool message for the model and is counted, never a crash.
+becomes an ``Error: ...`` tool message for the model and is counted, never a crash; a lost env
+server or session (an ``sdk`` infrastructure error) fails the rollout instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdk.exceptions import ToolCallError, ToolgymError, UnknownToolError
 from sdk.tools import Tool, tool_from_function
 
 
@@ -89,6 +91,11 @@ class ToolRunner:
                 result = await tool.func(**call["arguments"])
             else:
                 result = await call_maybe_async(tool.func, self.executor, **call["arguments"])
+        except ToolCallError as exc:  # a remote tool failed: the server already phrased it for the model
+            return ToolCallOutcome(name, f"Error: {exc}", failed=True, unknown=isinstance(exc, UnknownToolError),
+                                   latency_s=time.perf_counter() - t0)
+        except ToolgymError:
+            raise  # the env server or the session is gone: the rollout fails, not the tool
         except Exception as exc:  # the tool's failure is the model's observation
             return ToolCallOutcome(name, f"Error: {type(exc).__name__}: {exc}", failed=True, unknown=False,
                                    latency_s=time.perf_counter() - t0)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from environments.counter import IncrementEnv
 from envserver import EnvSpec, ServerConfig, ServerThread
-from sdk import remote_factory
+from sdk import environment_tools, remote_factory
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.concurrency import AdaptiveCap
 from trainer.errors import RolloutWorkerError
@@ -48,6 +48,14 @@ class EchoEnv:
             text: What to echo.
         """
         return text
+
+    def fail(self, message: str) -> str:
+        """Raise.
+
+        Args:
+            message: The error message.
+        """
+        raise ValueError(message)
 
 
 class BrokenEnv:
@@ -193,6 +201,29 @@ def test_tool_failures_and_unknown_tools_become_messages() -> None:
     assert failed.failed and not failed.unknown and failed.content == "Error: ValueError: tool broke"
     assert unknown.failed and unknown.unknown and "unknown tool 'nope'" in unknown.content and "boom" in unknown.content
     assert malformed.failed and malformed.content == "Error: invalid tool call JSON"
+
+
+def test_remote_tool_errors_become_messages() -> None:
+    specs = {"echo": EnvSpec.from_factory("echo", EchoEnv)}
+    with ServerThread(specs, ServerConfig(port=0)) as envserver:
+        env = remote_factory(envserver.url, "echo")()
+
+        async def go() -> list[Any]:
+            try:
+                await env.reset()
+                runner = ToolRunner(environment_tools(env))
+                return [await runner.run(c) for c in (
+                    {"name": "echo", "arguments": {"text": "hi"}},
+                    {"name": "fail", "arguments": {"message": "bad input"}},
+                    {"name": "echo", "arguments": {"text": 3}},
+                )]
+            finally:
+                await env.aclose()
+
+        ok, failed, wrong_type = asyncio.run(go())
+    assert not ok.failed and ok.content == "hi"
+    assert failed.failed and "ValueError: bad input" in failed.content and failed.content.startswith("Error: ")
+    assert wrong_type.failed and wrong_type.content.startswith("Error: ")
 
 
 def test_every_rollout_failing_stops_the_run_with_a_clear_message(vllm_server: VLLMServer, tiny_model_dir: Path,
