@@ -448,11 +448,13 @@ class AsyncRolloutLoop:
         dropped = is_degenerate(group.rewards)
         record_group_metrics(self.records, group, sources, dropped)
         queued = QueuedGroup(position, group.row_index, policy_version=group.model_version)
-        if dropped:
-            return queued
+        # The hook runs for every group, a dropped one too (a curriculum tracks solved prompts there);
+        # dropping is decided on the rewards above, not on what it returns.
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (n,):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}, expected ({n},)")
+        if dropped:
+            return queued
         now = time.time()
         for i, seqs in enumerate(group.completions_sequences):
             for seq in seqs:
