@@ -1,0 +1,239 @@
+"""Every script in ``examples/`` runs, so none of them rots.
+
+Each example's ``main([...])`` trains on the tiny model against the session's vLLM server with tiny
+settings (4 generations, 16 tokens per turn, one step; two for the curriculum), and the test checks
+what that run always shows: the step happened, the expected reward names were logged, the
+environment saw the row's columns, routing picked the row's environment, the curriculum skipped
+solved prompts. The random tiny model almost never calls a tool, so no test relies on a call being
+made. Fast checks of the examples' own functions (the source's doctests) come first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import math
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from sdk.tools import environment_tools, tool_from_function
+from trainer.chat_template import render_prompt_ids
+from trainer.vllm_server import VLLMServer
+from trainer.weight_sync import WeightSynchronizer
+
+EXAMPLES = ("custom_rewards", "multi_task_rewards", "tool_calling", "increment_env", "multi_environment", "curriculum")
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name: str) -> ModuleType:
+    # Imported as ``examples.<name>`` (the repository root is on sys.path), so the spawned rollout
+    # worker can import the module too and unpickle its reward functions, tools and environments.
+    return importlib.import_module(f"examples.{name}")
+
+
+def _train(name: str, server: VLLMServer, model_dir: Path, tmp_path: Path, *extra: str, max_steps: int = 1) -> Any:
+    trainer = _example(name).main([
+        "--model", str(model_dir), "--vllm-url", server.base_url, "--max-steps", str(max_steps),
+        "--output-dir", str(tmp_path / "out"), "--num-generations", "4", "--max-completion-length", "16", *extra,
+    ])
+    assert trainer.state.global_step == max_steps
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == max_steps and all(math.isfinite(v) for v in losses)
+    return trainer
+
+
+def _logged(trainer: Any) -> dict[str, list[float]]:
+    """Every logged value by metric name, over the run's log history."""
+    out: dict[str, list[float]] = {}
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def _reward_names(logged: dict[str, list[float]]) -> set[str]:
+    return {m.group(1) for key in logged if (m := re.fullmatch(r"rewards/(.+)/mean", key))}
+
+
+# --------------------------------------------------------------------------- the scripts themselves
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_documents_its_command_and_parses_its_flags(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = _example(name)
+    assert f"python examples/{name}.py" in (module.__doc__ or ""), "the docstring gives the exact command line"
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    usage = capsys.readouterr().out
+    for flag in ("--model", "--vllm-url", "--max-steps", "--output-dir", "--num-generations",
+                 "--max-completion-length"):
+        assert flag in usage
+    source = (EXAMPLES_DIR / f"{name}.py").read_text()
+    assert 'if __name__ == "__main__":' in source, "the spawned rollout worker re-imports the script"
+
+
+def test_custom_reward_functions_match_the_source_examples() -> None:
+    ex = _example("custom_rewards")
+    prompts = [[{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "The sun is"}]]
+    completions = [[{"role": "assistant", "content": " blue."}], [{"role": "assistant", "content": " in the sky."}]]
+    assert ex.length_reward_func(prompts=prompts, completions=completions,
+                                 completion_ids=[[6303, 13], [304, 279, 12884, 13]]) == [2.0, 4.0]
+    formatted = [
+        [{"role": "assistant", "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think>"
+                                         "<answer>(1 + 2) * 4 = 12</answer>"}],
+        [{"role": "assistant", "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."}],
+    ]
+    assert ex.format_reward_func(prompts=prompts, completions=formatted) == [1.0, 0.0]
+    boxed = [[{"role": "assistant", "content": r"The solution is \boxed{2}."}],
+             [{"role": "assistant", "content": r"The solution is \boxed{6}."}]]
+    assert ex.ground_truth_reward_func(prompts=prompts, completions=boxed, ground_truth=["2", "5"]) == [1.0, 0.0]
+    assert asyncio.run(ex.async_reward_func(prompts=prompts, completions=completions)) == [1.0, 1.0]
+    dataset = ex.build_dataset()
+    assert set(dataset.column_names) == {"prompt", "ground_truth"}
+
+
+def test_task_rewards_return_none_for_the_other_task() -> None:
+    ex = _example("multi_task_rewards")
+    task = ["math", "code", "math"]
+    answer = ["4", None, "12"]
+    tests = [None, ["assert add(2, 3) == 5"], None]
+    completions = [
+        [{"role": "assistant", "content": "2 + 2 = 4"}],
+        [{"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```"}],
+        [{"role": "assistant", "content": "It is 11."}],
+    ]
+    kwargs = dict(prompts=[[]] * 3, completions=completions, task=task, answer=answer, tests=tests)
+    assert ex.math_reward_func(**kwargs) == [1.0, None, -1.0]
+    assert ex.coding_reward_func(**kwargs) == [None, 1.0, None]
+    wrong = [[{"role": "assistant", "content": "def add(a, b):\n    return a - b"}]]
+    assert ex.coding_reward_func(prompts=[[]], completions=wrong, task=["code"], tests=[tests[1]]) == [-1.0]
+
+
+def test_example_tools_and_environments_expose_the_right_tools() -> None:
+    tools = _example("tool_calling")
+    schemas = [tool_from_function(f) for f in (tools.multiply, tools.async_add)]
+    assert [(t.name, t.is_async) for t in schemas] == [("multiply", False), ("async_add", True)]
+    assert set(schemas[0].schema["function"]["parameters"]["properties"]) == {"a", "b"}
+
+    envs = _example("multi_environment")
+    coding, game = envs.CodingEnv(), envs.GameEnv()
+    assert [t.name for t in environment_tools(coding)] == ["run_code"]
+    assert [t.name for t in environment_tools(game)] == ["move"]
+    game.reset(seed=3)
+    assert game.get_reward() == 0.0
+    (gx, gy), (x, y) = game.goal, game.position
+    for action, count in (("right" if gx > x else "left", abs(gx - x)), ("down" if gy > y else "up", abs(gy - y))):
+        for _ in range(count):
+            game.move(action)
+    assert game.get_reward() == 1.0
+    coding.reset(seed=5)
+    coding.run_code(f"print({envs.fibonacci(coding.n)})")
+    assert coding.get_reward() == 1.0
+
+    counter = _example("increment_env")
+    assert [t.name for t in environment_tools(counter.RecordingIncrementEnv("unused"))] == ["increment"]
+
+
+def test_curriculum_pieces() -> None:
+    ex = _example("curriculum")
+    assert ex.CurriculumTrainer.loop_cls is ex.CurriculumRolloutLoop
+    assert ex.CurriculumConfig(output_dir="unused", pass_rate_cap=0.5).pass_rate_cap == 0.5
+    completions = [[{"role": "assistant", "content": "calm blue water"}], [{"role": "assistant", "content": "a b c d"}]]
+    assert ex.word_budget_reward(completions=completions, limit=[4, 2]) == [1.0, -0.5]
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def test_custom_rewards_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                            restore_served_weights: WeightSynchronizer) -> None:
+    trainer = _train("custom_rewards", vllm_server, tiny_model_dir, tmp_path)
+    logged = _logged(trainer)
+    names = {"length_reward_func", "format_reward_func", "ground_truth_reward_func", "async_reward_func"}
+    assert names <= _reward_names(logged)
+    assert set(logged["rewards/async_reward_func/mean"]) == {1.0}, "every completion is a non-empty conversation"
+    assert all(0 < v <= 16 for v in logged["rewards/length_reward_func/mean"])
+
+
+def test_multi_task_rewards_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                                restore_served_weights: WeightSynchronizer) -> None:
+    trainer = _train("multi_task_rewards", vllm_server, tiny_model_dir, tmp_path)
+    logged = _logged(trainer)
+    # A task reward is logged only over the rows it scored (None rows are left out), so both names
+    # appear once groups of both tasks were scored, each within its own range.
+    assert {"math_reward_func", "coding_reward_func", "brevity_reward"} <= _reward_names(logged)
+    for name in ("math_reward_func", "coding_reward_func"):
+        assert all(-1.0 <= v <= 1.0 for v in logged[f"rewards/{name}/mean"])
+    assert all(-0.1 <= v <= 0.0 for v in logged["rewards/brevity_reward/mean"])
+
+
+def test_tool_calling_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                          restore_served_weights: WeightSynchronizer) -> None:
+    trainer = _train("tool_calling", vllm_server, tiny_model_dir, tmp_path)
+    assert [f.__name__ for f in trainer.tools] == ["multiply", "async_add"]
+    logged = _logged(trainer)
+    assert {"accuracy_reward", "brevity_reward"} <= _reward_names(logged)
+    assert "tools/loop_exhausted_frac" in logged, "tool metrics are logged when the trainer has tools"
+    assert "tools/call_frequency" in logged
+    # The model is shown both tools: their schemas are in the rendered prompt.
+    schemas = [tool_from_function(f).schema for f in trainer.tools]
+    prompt = trainer.processing_class.decode(render_prompt_ids(
+        trainer.processing_class, [{"role": "user", "content": "What is (2 + 3) * 4?"}], schemas))
+    assert '"multiply"' in prompt and '"async_add"' in prompt
+
+
+def test_increment_env_without_dataset_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                                           restore_served_weights: WeightSynchronizer) -> None:
+    trainer = _train("increment_env", vllm_server, tiny_model_dir, tmp_path)
+    assert trainer.rollout_dataset is None, "the environment owns the data"
+    logged = _logged(trainer)
+    assert {"IncrementEnv", "brevity_reward"} <= _reward_names(logged)
+    assert {"env/reset_s", "env/reward_s", "tools/loop_exhausted_frac"} <= set(logged)
+
+
+def test_increment_env_with_dataset_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                                        restore_served_weights: WeightSynchronizer) -> None:
+    log = tmp_path / "episodes.jsonl"
+    trainer = _train("increment_env", vllm_server, tiny_model_dir, tmp_path, "--with-dataset",
+                     "--episode-log", str(log))
+    assert {"RecordingIncrementEnv", "brevity_reward"} <= _reward_names(_logged(trainer))
+    episodes = [json.loads(line) for line in log.read_text().splitlines()]
+    assert episodes, "the environment logged its episodes"
+    targets = set(trainer.rollout_dataset["target"])
+    for episode in episodes:
+        # reset got the row's columns but the prompt: the `target` column reached reset(target=...)
+        assert set(episode["reset_kwargs"]) == {"target"}
+        assert episode["reset_kwargs"]["target"] in targets
+        assert episode["target"] == episode["reset_kwargs"]["target"]
+
+
+def test_multi_environment_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                               restore_served_weights: WeightSynchronizer) -> None:
+    log = tmp_path / "episodes.jsonl"
+    trainer = _train("multi_environment", vllm_server, tiny_model_dir, tmp_path, "--episode-log", str(log))
+    routes = dict(zip(trainer.rollout_dataset["seed"], trainer.rollout_dataset["environment"]))
+    episodes = [json.loads(line) for line in log.read_text().splitlines()]
+    expected_class = {"coding": "CodingEnv", "game": "GameEnv"}
+    for episode in episodes:
+        assert set(episode["reset_kwargs"]) == {"seed"}, "the `environment` column is not passed to reset"
+        assert episode["env"] == expected_class[routes[episode["reset_kwargs"]["seed"]]], "routed by the row"
+    assert {e["env"] for e in episodes} == {"CodingEnv", "GameEnv"}
+    env_rewards = _reward_names(_logged(trainer)) - {"brevity_reward"}
+    assert env_rewards and env_rewards <= {"CodingEnv", "GameEnv"}, "environment rewards are logged by class name"
+
+
+def test_curriculum_run_skips_solved_prompts(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
+                                             restore_served_weights: WeightSynchronizer) -> None:
+    # 16 tokens are at most 16 words: every prompt with a budget of 16 words or more is solved by
+    # every rollout (equal rewards: the group is dropped, yet compute_advantages records it), and the
+    # next epoch skips it.
+    trainer = _train("curriculum", vllm_server, tiny_model_dir, tmp_path, max_steps=2)
+    logged = _logged(trainer)
+    assert sum(logged.get("curriculum/skipped_count", [])) > 0, "the curriculum skipped solved prompts"
+    assert "word_budget_reward" in _reward_names(logged)
