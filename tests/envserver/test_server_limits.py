@@ -59,13 +59,14 @@ def test_full_server_queues_then_refuses_with_server_full():
 
 
 def test_idle_sessions_are_reaped_and_counted():
-    with make_server(idle_timeout=0.3) as srv:
+    # 1.5 s: long enough that a loaded CI machine still gets the reset in before the reaper runs.
+    with make_server(idle_timeout=1.5) as srv:
 
         async def scenario():
             async with websockets.connect(ws_url(srv, "counter")) as ws:
                 await ws.recv()
                 await request(ws, 1, "reset")
-                bye = json.loads(await asyncio.wait_for(ws.recv(), 3))
+                bye = json.loads(await asyncio.wait_for(ws.recv(), 15))
                 with pytest.raises(websockets.ConnectionClosed):
                     await ws.recv()
             return bye
