@@ -16,8 +16,8 @@ training code sits under ``if __name__ == "__main__":`` because the worker re-im
 
 Start a vLLM server on the model, then run (``--rewards`` picks a subset, e.g. ``format,ground_truth``)::
 
-    toolgym vllm Qwen/Qwen3-0.6B --port 8000
-    python examples/custom_rewards.py --model Qwen/Qwen3-0.6B --vllm-url http://localhost:8000 \\
+    toolgym vllm models/Qwen3-0.6B --port 8000 --max-model-len 4096
+    python examples/custom_rewards.py --model models/Qwen3-0.6B --vllm-url http://localhost:8000 \\
         --max-steps 200 --output-dir outputs/custom_rewards
 
 Offline, on the tiny local model (``toolgym tiny-model .cache/tiny-model`` builds it)::
@@ -106,7 +106,8 @@ def build_dataset() -> Dataset:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen3-0.6B", help="model directory or id (the one the server serves)")
+    parser.add_argument("--model", required=True,
+                        help="local model directory (saved with save_pretrained), the one the vLLM server serves")
     parser.add_argument("--vllm-url", default="http://localhost:8000", help="base URL of the vLLM server")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; -1 trains num_train_epochs")
     parser.add_argument("--output-dir", default="outputs/custom_rewards")

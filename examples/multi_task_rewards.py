@@ -16,8 +16,8 @@ spawned rollout worker re-imports this file to unpickle the reward functions.
 
 Start a vLLM server on the model, then run::
 
-    toolgym vllm Qwen/Qwen2.5-0.5B-Instruct --port 8000
-    python examples/multi_task_rewards.py --model Qwen/Qwen2.5-0.5B-Instruct --vllm-url http://localhost:8000 \\
+    toolgym vllm models/Qwen2.5-0.5B-Instruct --port 8000 --max-model-len 4096
+    python examples/multi_task_rewards.py --model models/Qwen2.5-0.5B-Instruct --vllm-url http://localhost:8000 \\
         --max-steps 200 --output-dir outputs/multi_task_rewards
 """
 
@@ -115,8 +115,8 @@ def brevity_reward(completions: list[list[dict[str, Any]]], **kwargs: Any) -> li
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct",
-                        help="model directory or id (the one the server serves)")
+    parser.add_argument("--model", required=True,
+                        help="local model directory (saved with save_pretrained), the one the vLLM server serves")
     parser.add_argument("--vllm-url", default="http://localhost:8000", help="base URL of the vLLM server")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; -1 trains num_train_epochs")
     parser.add_argument("--output-dir", default="outputs/multi_task_rewards")

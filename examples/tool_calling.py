@@ -15,8 +15,8 @@ whose rewards are all equal is dropped, see ``frac_zero_std_groups``).
 
 Start a vLLM server on a tool-calling model, then run::
 
-    toolgym vllm Qwen/Qwen3-0.6B --port 8000
-    python examples/tool_calling.py --model Qwen/Qwen3-0.6B --vllm-url http://localhost:8000 \\
+    toolgym vllm models/Qwen3-0.6B --port 8000 --max-model-len 4096
+    python examples/tool_calling.py --model models/Qwen3-0.6B --vllm-url http://localhost:8000 \\
         --max-steps 200 --output-dir outputs/tool_calling
 """
 
@@ -83,7 +83,8 @@ def build_dataset(size: int = 64, seed: int = 0) -> Dataset:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen3-0.6B", help="model directory or id (the one the server serves)")
+    parser.add_argument("--model", required=True,
+                        help="local model directory (saved with save_pretrained), the one the vLLM server serves")
     parser.add_argument("--vllm-url", default="http://localhost:8000", help="base URL of the vLLM server")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; -1 trains num_train_epochs")
     parser.add_argument("--output-dir", default="outputs/tool_calling")
