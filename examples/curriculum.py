@@ -87,10 +87,8 @@ def word_budget_reward(completions: list[list[dict[str, Any]]], limit: list[int]
 def build_dataset() -> Dataset:
     """Every topic with every word budget; the budget is also the ``limit`` column the reward reads."""
     rows = [(topic, limit) for topic in TOPICS for limit in LIMITS]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"Describe {topic} in at most {limit} words."}] for topic, limit in rows],
-        "limit": [limit for _, limit in rows],
-    })
+    prompts = [[{"role": "user", "content": f"Describe {topic} in at most {limit} words."}] for topic, limit in rows]
+    return Dataset.from_dict({"prompt": prompts, "limit": [limit for _, limit in rows]})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -87,7 +87,8 @@ def test_custom_reward_functions_match_the_source_examples() -> None:
     formatted = [
         [{"role": "assistant", "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think>"
                                          "<answer>(1 + 2) * 4 = 12</answer>"}],
-        [{"role": "assistant", "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."}],
+        [{"role": "assistant",
+          "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."}],
     ]
     assert ex.format_reward_func(prompts=prompts, completions=formatted) == [1.0, 0.0]
     boxed = [[{"role": "assistant", "content": r"The solution is \boxed{2}."}],
