@@ -104,6 +104,9 @@ class _PipelineCallback(TrainerCallback):
         self._step_start = time.perf_counter()
         self._opt_start = 0.0
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._step_start = time.perf_counter()
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.trainer._step_fwd_bwd_s = 0.0
 

@@ -175,8 +175,10 @@ class AsyncRolloutLoop:
                 tool_message = {"role": "tool", "name": outcome.name or "", "content": outcome.content}
                 messages.append(tool_message)
                 completion.append(tool_message)
-        if tools:
+        if tools:  # the tool metrics exist only when the model was shown tools
             self.records.add("tools/loop_exhausted_frac", float(exhausted))
+            self.records.add("tools/call_frequency", calls)
+            self.records.add_rate("tools/failure_frequency", 0, 0)  # NaN in a window without calls
         completion_ids = [t for turn in turns for t in turn.output_ids]
         return Rollout(completion=completion, completion_ids=completion_ids, turns=turns,
                        tool_call_count=calls, tool_failure_count=failures)
@@ -327,7 +329,7 @@ class AsyncRolloutLoop:
         prompts = [p for p, _, _ in ok]
         rollouts = [r for _, r, _ in ok]
         env_rewards = [e for _, _, e in ok]
-        columns = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+        columns = {k: v for k, v in row.items() if k != "prompt"}  # reward functions get "environment" too
         sequences = []
         for rollout in rollouts:
             seqs, stats = reconcile_turns(rollout.turns)

@@ -35,7 +35,6 @@ def record_rollout_metrics(
         for drift in stats.drift_tokens:
             records.add("rollout/drift_tokens_mean", drift)
             records.add("rollout/drift_tokens_max", drift)
-    records.add("tools/call_frequency", rollout.tool_call_count)
     for seq in sequences:
         records.add("sample/forwarded_tokens_mean", len(seq.input_ids))
         records.add("sample/forwarded_tokens_max", len(seq.input_ids))

@@ -175,30 +175,18 @@ class SleepyAsyncGrader:
         return [3.0] * len(completions)
 
 
-async def timed_call(funcs, group, executor=None) -> tuple[list[list[float | None]], float]:
-    start = time.monotonic()
-    out = await call_reward_funcs(funcs, group, executor)
-    return out, time.monotonic() - start
-
-
-# Three functions of 0.3 s each: 0.9 s one after the other. The bound leaves 0.3 s for a loaded
-# machine; the barrier/event tests below prove the overlap without timing.
+# Mixed sync / async / callable-instance / partial sources, each result where its function is.
+# That they overlap is proven without timing by the barrier and event tests below.
 @pytest.mark.parametrize(("funcs", "expected"), [
     ([sleepy_sync] * 3, [[1.0] * 2] * 3),
     ([sleepy_async] * 3, [[2.0] * 2] * 3),
     ([sleepy_sync, sleepy_async, SleepyAsyncGrader()], [[1.0] * 2, [2.0] * 2, [3.0] * 2]),
     ([functools.partial(sleepy_async), functools.partial(sleepy_sync), sleepy_sync], [[2.0] * 2, [1.0] * 2, [1.0] * 2]),
 ])
-def test_call_reward_funcs_runs_concurrently(funcs, expected):
+def test_call_reward_funcs_mixes_sync_and_async(funcs, expected):
     with ThreadPoolExecutor(max_workers=4) as executor:
-        out, elapsed = asyncio.run(timed_call(funcs, make_group(2), executor))
+        out = asyncio.run(call_reward_funcs(funcs, make_group(2), executor))
     assert out == expected
-    assert elapsed < 0.6, f"{len(funcs)} functions of 0.3 s each took {elapsed:.2f} s: not concurrent"
-
-
-def test_call_reward_funcs_default_executor_is_concurrent():
-    _, elapsed = asyncio.run(timed_call([sleepy_sync] * 3, make_group(2)))
-    assert elapsed < 0.6
 
 
 def test_sync_reward_funcs_overlap_in_threads():
