@@ -12,7 +12,11 @@
 
 Every process it starts is stopped when it returns::
 
-    toolgym demo [--cache .cache] [--steps 40] [--seed 0]
+    toolgym demo [--cache .cache] [--steps 25] [--seed 0]
+
+The building blocks (:func:`warm_model`, :func:`counter_config`, :func:`evaluate_counter`,
+:func:`serve_policy`, :func:`learning_run`) are shared with the end-to-end tests
+(``tests/e2e``) and the benchmark (``bench/e2e``), so all three run the same experiment.
 """
 
 from __future__ import annotations
@@ -20,27 +24,151 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.config import AsyncGRPOConfig
+from trainer.evaluation import PolicyEval, evaluate_policy
+
 TARGETS = (1, 2, 3, 4, 5, 6)
 EVAL_EPISODES_PER_TARGET = 24
+WARM_START_STEPS = 300
 
 
-def warm_model(cache: Path, seed: int) -> Path:
-    """The warm-started tiny model, built once and reused from ``cache``."""
+def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
+    """The tiny model warm-started on counter transcripts, built once and reused from ``cache``.
+
+    Args:
+        cache: Folder holding the built models (one sub-folder per seed and length).
+        seed: Seeds the model's initialisation, the transcripts and the fine-tune.
+        steps: Optimizer steps of the warm start (300 take about a minute of CPU time).
+    """
     from trainer.tiny_model import build_tiny_model
     from trainer.warm_start import WarmStartConfig, warm_start
 
-    model_dir = cache / f"warm-counter-seed{seed}"
+    suffix = "" if steps == WARM_START_STEPS else f"-steps{steps}"
+    model_dir = cache / f"warm-counter-seed{seed}{suffix}"
     done = model_dir / ".warm-start-done"
     if not done.exists():
         t0 = time.monotonic()
         build_tiny_model(model_dir, seed=seed)
-        warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=300))
+        warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
         done.write_text("ok\n")
         print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir}")
     return model_dir
+
+
+def counter_dataset(copies: int = 16) -> Any:
+    """Training rows: every target of :data:`TARGETS`, ``copies`` times (a ``datasets.Dataset``)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"target": [t for t in TARGETS for _ in range(copies)]})
+
+
+def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int = 0,
+                   **overrides: Any) -> AsyncGRPOConfig:
+    """The demo's training configuration for the counter task; ``overrides`` replace any field.
+
+    Args:
+        output_dir: The run folder (logs, plots; no checkpoints).
+        base_url: The vLLM server.
+        steps: Optimizer steps (``max_steps``).
+        seed: The trainer's seed (prompt order, initialisation of anything random).
+        **overrides: Other ``AsyncGRPOConfig`` fields (``max_staleness``, ``report_to``, ...).
+    """
+    fields: dict[str, Any] = dict(
+        output_dir=str(output_dir), vllm_server_base_url=base_url, max_steps=steps,
+        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=2e-4,
+        gradient_accumulation_steps=4, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=seed, max_staleness=2)
+    fields.update(overrides)
+    return AsyncGRPOConfig(**fields)
+
+
+def evaluate_counter(base_url: str, model_dir: str | Path, environment_factory: Any,
+                     episodes_per_target: int = EVAL_EPISODES_PER_TARGET) -> PolicyEval:
+    """Success on fresh counter episodes (every target of :data:`TARGETS`) of the served policy."""
+    rows = [{"target": t} for t in TARGETS]
+    return evaluate_policy(base_url, str(model_dir), environment_factory, rows, samples_per_row=episodes_per_target)
+
+
+def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,
+                 weights: Iterable[tuple[str, Any]] | None = None) -> None:
+    """Push weights into the running (CPU) server as policy ``version``.
+
+    Lets one server start every run from the same policy (tests, benchmark): a training run
+    leaves its last weights on the server.
+
+    Args:
+        base_url: The vLLM server.
+        model_dir: The served checkpoint (names and shapes are checked against it).
+        version: The policy version the server reports afterwards.
+        weights: ``(name, tensor)`` pairs to push; default: the weights saved in ``model_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
+
+    admin = VLLMAdminClient(base_url, timeout_s=120)
+    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(model_dir))
+    if weights is None:
+        weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()
+    sync.sync(weights, version=version)
+
+
+@dataclass
+class LearningRun:
+    """A before/after measurement around one training run.
+
+    Attributes:
+        before: Held-out evaluation of the served policy before training.
+        after: The same evaluation after training.
+        log_history: The trainer's log history (one entry per step, then the summary).
+        train_s: Wall time of ``trainer.train()``.
+    """
+
+    before: PolicyEval
+    after: PolicyEval
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    train_s: float = 0.0
+
+
+def learning_run(model_dir: str | Path, environment_factory: Any, config: AsyncGRPOConfig,
+                 episodes_per_target: int = EVAL_EPISODES_PER_TARGET, callbacks: Sequence[Any] = (),
+                 before: PolicyEval | None = None) -> LearningRun:
+    """Evaluate the served policy, train it on the counter task, evaluate again.
+
+    The server at ``config.vllm_server_base_url`` must already serve ``model_dir``'s weights
+    (see :func:`serve_policy`); the trainer leaves its final weights there.
+
+    Args:
+        model_dir: The model to train (its weights are the served ones).
+        environment_factory: The counter environment (local class or ``remote_factory``).
+        config: The training configuration (see :func:`counter_config`).
+        episodes_per_target: Evaluation episodes per target, before and after.
+        callbacks: Extra trainer callbacks (progress table, plots, ...).
+        before: An evaluation already made of these weights (skips the first one).
+    """
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+
+    from trainer.async_grpo_trainer import AsyncGRPOTrainer
+
+    base_url = config.vllm_server_base_url
+    if before is None:
+        before = evaluate_counter(base_url, model_dir, environment_factory, episodes_per_target)
+    trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
+                               processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               environment_factory=environment_factory, callbacks=list(callbacks))
+    trainer.remove_callback(PrinterCallback)
+    t0 = time.monotonic()
+    trainer.train()
+    train_s = time.monotonic() - t0
+    after = evaluate_counter(base_url, model_dir, environment_factory, episodes_per_target)
+    return LearningRun(before=before, after=after, log_history=list(trainer.state.log_history), train_s=train_s)
 
 
 async def _show_turn(base_url: str, tokenizer: Any) -> None:
@@ -72,13 +200,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
 
     from sdk import remote_factory
-    from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trainer.evaluation import evaluate_policy
     from trainer.reporting import PlotCallback, ProgressCallback
     from trainer.train_cli import serve_environment
     from trainer.vllm_server import VLLMServer, VLLMServerConfig
@@ -87,34 +211,19 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     model_dir = warm_model(Path(args.cache), args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with serve_environment("environments.counter:IncrementEnv") as env_url, \
             VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024,
                                         log_path=str(Path(args.output_dir) / "vllm.log"))) as server:
         print(f"env server at {env_url}; vLLM CPU server ready at {server.base_url} in {server.ready_s:.0f} s")
-        asyncio.run(_show_turn(server.base_url, tokenizer))
+        asyncio.run(_show_turn(server.base_url, AutoTokenizer.from_pretrained(model_dir)))
         factory = remote_factory(env_url, "IncrementEnv")
-        held_out = [{"target": t} for t in TARGETS]
-        before = evaluate_policy(server.base_url, str(model_dir), factory, held_out,
-                                 samples_per_row=EVAL_EPISODES_PER_TARGET)
+        before = evaluate_counter(server.base_url, model_dir, factory)
         print(f"\nsuccess before training: {before.success_rate:.1%} ({before.episodes} fresh episodes)\n")
-
-        dataset = Dataset.from_dict({"target": [t for t in TARGETS for _ in range(16)]})
-        config = AsyncGRPOConfig(
-            output_dir=args.output_dir, vllm_server_base_url=server.base_url, max_steps=args.steps,
-            num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=2e-4,
-            gradient_accumulation_steps=4,
-            use_cpu=True, gradient_checkpointing=False, save_strategy="no", report_to="tensorboard",
-            disable_tqdm=True, seed=args.seed, max_staleness=2)
+        config = counter_config(args.output_dir, server.base_url, args.steps, args.seed, report_to="tensorboard")
         plots = PlotCallback()
-        trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=dataset,
-                                   processing_class=tokenizer, environment_factory=factory,
-                                   callbacks=[ProgressCallback(), plots])
-        trainer.remove_callback(PrinterCallback)
-        trainer.train()
-        after = evaluate_policy(server.base_url, str(model_dir), factory, held_out,
-                                samples_per_row=EVAL_EPISODES_PER_TARGET)
+        run = learning_run(model_dir, factory, config, callbacks=[ProgressCallback(), plots], before=before)
 
+    before, after = run.before, run.after
     print(f"\n{'':28}{'before':>10}{'after':>10}")
     print(f"{'success rate (fresh episodes)':28}{before.success_rate:>10.1%}{after.success_rate:>10.1%}")
     print(f"{'tool calls per episode':28}{before.tool_calls_per_episode:>10.2f}{after.tool_calls_per_episode:>10.2f}")
