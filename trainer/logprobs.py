@@ -4,12 +4,20 @@ For each trained token t (predicted at row position ``pred_index[t]``) this give
 temperature and renormalised over the token's top-k/top-p candidate set when it has one (SPEC §6):
 ``log p(target)``, ``log p(v)`` for the sampler's top-K ids v (score centering, SPEC §4), and the
 entropy of the distribution. Only the trained positions' hidden states go through the LM head, a
-chunk at a time under activation checkpointing: a chunk's (chunk x vocab) logits exist only while
-that chunk is computed (forward) or recomputed (backward), never a (tokens x vocab) tensor.
+chunk at a time; never a (tokens x vocab) tensor. Two ways:
+
+* :func:`forward_packed` / :func:`logprobs_from_hidden`: differentiable log-probs for any loss. Each
+  chunk runs under activation checkpointing, so its logits exist while it is computed (forward) and
+  recomputed (backward): four (chunk x vocab x hidden) matmuls per chunk.
+* :func:`head_loss_from_hidden`: for a loss that is a sum of per-token terms with a known divisor
+  (the GRPO loss), the gradient of each chunk's logits is formed in the forward, right after its
+  softmax, and turned at once into the gradients of the hidden states and of the head: three
+  matmuls per chunk, no recomputation; backward only scales the stored gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from trainer.packing import PackedRow
 from trainer.tree_attention import packed_hidden_states, unwrap_model
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RowLogProbs", "forward_packed", "logprobs_from_hidden"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "forward_packed", "head_loss_from_hidden", "logprobs_from_hidden",
+]
 
 DEFAULT_CHUNK_SIZE = 512
 """Trained tokens per LM-head chunk: a 151,936-word vocabulary makes 0.3 GB of float32 logits."""
@@ -39,12 +49,15 @@ class RowLogProbs:
     entropy: torch.Tensor  # (T,)
 
 
-def _restrict(logits: torch.Tensor, candidate_ids: torch.Tensor, candidate_valid: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each token's candidate set to -inf (tokens without a set keep all)."""
-    keep = torch.zeros_like(logits, dtype=torch.bool)  # (C, V)
-    keep.scatter_(1, candidate_ids, candidate_valid)
+def _excluded(logits: torch.Tensor, candidate_ids: torch.Tensor, candidate_valid: torch.Tensor) -> torch.Tensor:
+    """(C, V) bool: True outside each token's candidate set (tokens without a set exclude nothing)."""
+    # Padding entries (valid False, id 0 or a repeat) point at a real candidate of their row: a
+    # scatter of the validity itself would let a padding entry overwrite a valid one of the same id.
+    first = candidate_ids.gather(1, candidate_valid.int().argmax(-1, keepdim=True))  # (C, 1)
+    ids = torch.where(candidate_valid, candidate_ids, first)  # (C, M)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)  # (C, V)
     keep |= ~candidate_valid.any(-1, keepdim=True)
-    return logits.masked_fill_(~keep, float("-inf"))
+    return keep.logical_not_()
 
 
 def _chunk_logprobs(
@@ -60,7 +73,7 @@ def _chunk_logprobs(
     """log p(target) (C,), log p(top-k) (C, K) and entropy (C,) of one chunk of C trained tokens."""
     logits = F.linear(hidden, weight, bias).float().div_(temperature)  # (C, V)
     if candidate_ids is not None and candidate_valid is not None:
-        logits = _restrict(logits, candidate_ids, candidate_valid)
+        logits = logits.masked_fill_(_excluded(logits, candidate_ids, candidate_valid), float("-inf"))
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # (C, 1)
     logp = logits.gather(1, target_ids[:, None]).squeeze(1) - log_z.squeeze(1)  # (C,)
     topk_logp = logits.gather(1, topk_ids) - log_z  # (C, K)
@@ -68,6 +81,14 @@ def _chunk_logprobs(
         p_logits = torch.softmax(logits, dim=-1).mul_(logits).nan_to_num_(nan=0.0)  # 0 * -inf -> 0
         entropy = log_z.squeeze(1) - p_logits.sum(-1)  # (C,)
     return logp, topk_logp, entropy
+
+
+def _check_head(lm_head: nn.Module, temperature: float) -> None:
+    """Refuse what the chunked head cannot compute: a non-positive temperature, a head that is not a plain Linear."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not isinstance(lm_head, nn.Linear):  # e.g. a LoRA-wrapped head: its adapter would be ignored
+        raise TypeError(f"the LM head must be a plain nn.Linear, got {type(lm_head).__name__}")
 
 
 def logprobs_from_hidden(
@@ -90,10 +111,7 @@ def logprobs_from_hidden(
         The row's :class:`RowLogProbs`. With no trained token the tensors are empty but still
         depend on ``hidden``, so a backward reaches every parameter (with zero gradient).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not isinstance(lm_head, nn.Linear):  # e.g. a LoRA-wrapped head: its adapter would be ignored
-        raise TypeError(f"the LM head must be a plain nn.Linear, got {type(lm_head).__name__}")
+    _check_head(lm_head, temperature)
     h = hidden[row.pred_index]  # (T, D): the positions that predict trained tokens
     bias = getattr(lm_head, "bias", None)
     cand_ids, cand_valid = row.candidate_ids, row.candidate_valid
@@ -132,3 +150,155 @@ def forward_packed(
     """
     hidden = packed_hidden_states(model, row)  # (N, D)
     return logprobs_from_hidden(hidden, unwrap_model(model).get_output_embeddings(), row, temperature, chunk_size)
+
+
+TokenLoss = Callable[[RowLogProbs, PackedRow], torch.Tensor]
+"""Per-token losses (C,) of a chunk of trained tokens, from their log-probs and the row restricted
+to them (:meth:`PackedRow.select_trained`). Token t's loss may depend on token t's log-probs only."""
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` (one fused ``addmm`` when the dtypes agree; ``a @ b`` in autocast's dtype otherwise)."""
+    if out.dtype == a.dtype == b.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(a @ b)
+
+
+def _fused_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    row: PackedRow,
+    temperature: float,
+    token_loss: TokenLoss,
+    divisor: float,
+) -> tuple[torch.Tensor, RowLogProbs, torch.Tensor]:
+    """One chunk of C trained tokens: its summed loss / divisor, its detached log-probs and entropy,
+    and the gradient of that loss w.r.t. the chunk's logits (C, V), in the logits' dtype."""
+    logits = F.linear(h, weight, bias)  # (C, V), the model's dtype
+    z = logits.float()  # (C, V) logits / temperature
+    if temperature != 1.0:
+        z.div_(temperature)
+    excluded = None
+    if row.candidate_ids is not None and row.candidate_valid is not None:
+        excluded = _excluded(z, row.candidate_ids, row.candidate_valid)  # (C, V)
+        z.masked_fill_(excluded, float("-inf"))
+    log_p = torch.log_softmax(z, dim=-1)  # (C, V)
+    del z
+    logp = log_p.gather(1, row.target_ids[:, None]).squeeze(1)  # (C,)
+    topk_logp = log_p.gather(1, row.sampler_topk_ids)  # (C, K)
+    p = log_p.exp()  # (C, V): the one softmax both the entropy and the gradient use
+    p_log_p = log_p.mul_(p)
+    if excluded is not None:
+        p_log_p.nan_to_num_(nan=0.0)  # 0 * -inf outside the candidate set
+    entropy = -p_log_p.sum(-1)  # (C,)
+    del log_p, p_log_p
+    # dL_t / dlog p by autograd on the chunk's (C,) and (C, K) log-probs: the loss's own code.
+    with torch.enable_grad():
+        leaf_logp, leaf_topk = logp.detach().requires_grad_(), topk_logp.detach().requires_grad_()
+        losses = token_loss(RowLogProbs(leaf_logp, leaf_topk, entropy), row)  # (C,)
+        g_y, g_k = torch.autograd.grad(losses.sum(), (leaf_logp, leaf_topk), materialize_grads=True)
+    # d log p_v / d z_j = 1[j = v] - p_j, and z = logits / temperature.
+    g_y, g_k = g_y / (divisor * temperature), g_k / (divisor * temperature)  # (C,), (C, K)
+    grad = p.mul_(-(g_y + g_k.sum(-1))[:, None])  # (C, V), in place of p
+    grad.scatter_add_(1, row.target_ids[:, None], g_y[:, None])
+    grad.scatter_add_(1, row.sampler_topk_ids, g_k)
+    if excluded is not None:
+        grad.masked_fill_(excluded, 0.0)  # the -inf logits have no gradient
+    loss = losses.detach().sum() / divisor
+    return loss, RowLogProbs(logp, topk_logp, entropy), grad.to(logits.dtype)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """The chunked head loss; forward computes the gradients, backward scales them by the incoming one."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        row: PackedRow,
+        temperature: float,
+        token_loss: TokenLoss,
+        divisor: float,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(h) if need_h else None  # (T, D)
+        grad_w = torch.zeros_like(weight) if need_w else None  # (V, D)
+        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None  # (V,)
+        loss = torch.zeros((), device=h.device)
+        pieces = []
+        for start in range(0, row.num_trained, chunk_size):
+            sl = slice(start, start + chunk_size)
+            loss_c, logps_c, g = _fused_chunk(
+                h[sl], weight, bias, row.select_trained(sl), temperature, token_loss, divisor
+            )
+            loss += loss_c
+            pieces.append((logps_c.logp, logps_c.topk_logp, logps_c.entropy))
+            if grad_h is not None:
+                grad_h[sl] = g @ weight  # (C, D)
+            if grad_w is not None:
+                _add_matmul(grad_w, g.T, h[sl])  # (V, D)
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        ctx.grads = (grad_h, grad_w, grad_b)
+        if pieces:
+            logp, topk_logp, entropy = (torch.cat(parts) for parts in zip(*pieces, strict=True))
+        else:
+            logp, entropy = h.new_zeros(0, dtype=torch.float32), h.new_zeros(0, dtype=torch.float32)
+            topk_logp = h.new_zeros(row.sampler_topk_ids.shape, dtype=torch.float32)
+        ctx.mark_non_differentiable(logp, topk_logp, entropy)
+        return loss, logp, topk_logp, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, *unused: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError("the fused head loss stores its gradients once: it cannot be backpropagated twice")
+        grads, ctx.grads = ctx.grads, None  # scaled in place and handed over: no second (V, D) buffer
+        return (*(g.mul_(grad_loss) if g is not None else None for g in grads), None, None, None, None, None)
+
+
+def head_loss_from_hidden(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    row: PackedRow,
+    temperature: float,
+    token_loss: TokenLoss,
+    divisor: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, RowLogProbs]:
+    """``sum_t token_loss_t / divisor`` over ``row``'s trained tokens, its gradient formed in the forward.
+
+    Per chunk: logits, softmax, the log-probs of :func:`logprobs_from_hidden`, the loss terms and
+    their derivatives w.r.t. the log-probs (autograd on ``token_loss``, (C,) tensors), then the
+    logits' gradient ``dL/dz_j = g_j - p_j sum_v g_v`` (g: the derivatives scattered to their ids)
+    and at once the gradient of the chunk's hidden states (``grad @ W``) and of the head
+    (``W.grad += grad^T h``, ``b.grad += sum grad``). Three matmuls per trained token instead of
+    four, and no logits kept or recomputed. Backward multiplies the stored gradients by the
+    incoming one, so scaling the loss afterwards (gradient accumulation, loss scaling) is exact.
+
+    Args:
+        hidden: Final hidden states of the row, (N, D).
+        lm_head: The output projection (a plain ``nn.Linear``).
+        row: The packed row (same device as ``hidden``).
+        temperature: Sampling temperature.
+        token_loss: The per-token loss (see :data:`TokenLoss`).
+        divisor: The loss's normaliser, known before the forward (trained tokens of the micro-batch).
+        chunk_size: Trained tokens per LM-head chunk.
+
+    Returns:
+        ``(loss, logps)``: the differentiable scalar loss (backward it once) and the detached
+        log-probs and entropy of the trained tokens (for metrics). With no trained token the loss
+        is zero and its backward still reaches every parameter (with zero gradient).
+    """
+    _check_head(lm_head, temperature)
+    h = hidden[row.pred_index]  # (T, D): the positions that predict trained tokens
+    loss, logp, topk_logp, entropy = _HeadLoss.apply(
+        h, lm_head.weight, lm_head.bias, row, temperature, token_loss, divisor, chunk_size
+    )
+    return loss, RowLogProbs(logp=logp, topk_logp=topk_logp, entropy=entropy)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from torch import nn
 
-from trainer.logprobs import RowLogProbs
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, RowLogProbs, head_loss_from_hidden
 from trainer.packing import PackedRow
+from trainer.tree_attention import packed_hidden_states, unwrap_model
 
-__all__ = ["STAT_REDUCTIONS", "LossConfig", "grpo_loss", "loss_metrics", "reduce_loss_stats"]
+__all__ = ["STAT_REDUCTIONS", "LossConfig", "grpo_loss", "loss_metrics", "packed_grpo_loss", "reduce_loss_stats"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ def _score_centered_objective(
     return w * logp - centering
 
 
+def _token_losses(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> torch.Tensor:
+    """L_t of SPEC §4 for each trained token (T,): a function of token t's own log-probs only."""
+    logp = logps.logp  # (T,) log p_y, differentiable
+    logq = row.sampler_logprobs  # (T,) log q_y from the sampler
+    A = row.advantages  # (T,)
+    r = (logp.detach() - logq).exp()  # (T,) importance ratio as a weight: no gradient
+    if cfg.score_centering:
+        return -A * _score_centered_objective(logp, r, logps.topk_logp, row, cfg)
+    m = _inside(r, cfg).float()  # (T,) masked importance sampling: tokens outside are dropped
+    ratio = torch.exp(logp - logq)  # (T,) the same ratio, with gradient: it is the objective
+    return -m * torch.minimum(ratio * A, ratio.clamp(1 - cfg.epsilon, 1 + cfg.eps_high) * A)
+
+
 def grpo_loss(
     logps: RowLogProbs, row: PackedRow, cfg: LossConfig, num_trained_global: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -99,30 +115,45 @@ def grpo_loss(
         ``(loss, stats)``: the scalar ``sum_t L_t / num_trained_global`` and a dict of detached
         0-d tensors (raw sums, counts and extremes; see :data:`STAT_REDUCTIONS`).
     """
-    logp = logps.logp  # (T,) log p_y, differentiable
-    logq = row.sampler_logprobs  # (T,) log q_y from the sampler
-    A = row.advantages  # (T,)
-    log_ratio = logp.detach() - logq  # (T,)
-    r = log_ratio.exp()  # (T,) importance ratio as a weight: no gradient
-    m = _inside(r, cfg).float()  # (T,) masked importance sampling: tokens outside are dropped
-    if cfg.score_centering:
-        L = -A * _score_centered_objective(logp, r, logps.topk_logp, row, cfg)  # (T,)
-    else:
-        ratio = torch.exp(logp - logq)  # (T,) the same ratio, with gradient: it is the objective
-        L = -m * torch.minimum(ratio * A, ratio.clamp(1 - cfg.epsilon, 1 + cfg.eps_high) * A)  # (T,)
-    loss = L.sum() / max(num_trained_global, 1)
-    return loss, _stats(r, log_ratio, m, logps.entropy, row, cfg)
+    loss = _token_losses(logps, row, cfg).sum() / max(num_trained_global, 1)
+    return loss, _stats(logps, row, cfg)
 
 
-def _stats(
-    r: torch.Tensor,
-    log_ratio: torch.Tensor,
-    m: torch.Tensor,
-    entropy: torch.Tensor,
+def packed_grpo_loss(
+    model: nn.Module,
     row: PackedRow,
+    temperature: float,
     cfg: LossConfig,
-) -> dict[str, torch.Tensor]:
+    num_trained_global: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``grpo_loss(forward_packed(model, row, temperature), row, cfg, num_trained_global)``, fused.
+
+    The same loss, statistics and gradients, with the LM head's gradient formed during the forward
+    (:func:`trainer.logprobs.head_loss_from_hidden`): three head matmuls per trained token instead
+    of four, no recomputed logits. The loss may be scaled before its (single) backward.
+
+    Args:
+        model: A causal LM switched to tree attention, possibly wrapped (DDP, PEFT).
+        row: The packed row, on the model's device.
+        temperature: Sampling temperature.
+        cfg: Loss settings.
+        num_trained_global: As for :func:`grpo_loss`.
+        chunk_size: Trained tokens per LM-head chunk.
+    """
+    hidden = packed_hidden_states(model, row)  # (N, D)
+    head = unwrap_model(model).get_output_embeddings()
+    loss, logps = head_loss_from_hidden(
+        hidden, head, row, temperature, partial(_token_losses, cfg=cfg), max(num_trained_global, 1), chunk_size
+    )
+    return loss, _stats(logps, row, cfg)
+
+
+def _stats(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """Raw statistics of one row, all detached 0-d tensors."""
+    log_ratio = logps.logp.detach() - row.sampler_logprobs  # (T,)
+    r = log_ratio.exp()  # (T,)
+    m = _inside(r, cfg).float()  # (T,)
     A = row.advantages
     low, high = r < 1 - cfg.epsilon, r > 1 + cfg.eps_high  # (T,) outside the trust region
     if not cfg.score_centering:  # where the surrogate's clip actually takes effect
@@ -143,7 +174,7 @@ def _stats(
         "logp_diff_max": log_ratio.abs().max() if r.numel() else -inf,
         "masked_tokens": (1 - m).sum(),
         "sampler_mass_sum": (row.sampler_topk_logprobs.exp() * row.sampler_topk_valid).sum(),  # sum_t Q_H
-        "entropy_sum": entropy.sum(),
+        "entropy_sum": logps.entropy.sum(),
         "clip_low_tokens": low.sum().float(),
         "clip_high_tokens": high.sum().float(),
         "clip_region_tokens": (low | high).sum().float(),

@@ -88,6 +88,19 @@ class PackedRow:
         """Trained tokens of the row (T)."""
         return int(self.target_ids.numel())
 
+    def select_trained(self, tokens: slice) -> PackedRow:
+        """The row with only the trained tokens ``tokens`` (a slice of 0..T): a chunk of its loss inputs.
+
+        The per-trained-token tensors become views of that slice; the forwarded tokens are kept,
+        so ``pred_index`` still points into the whole row.
+        """
+        per_trained = {
+            name: value[tokens]
+            for name in _TRAINED_FIELDS
+            if isinstance(value := getattr(self, name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **per_trained)
+
     def to(self, device: torch.device | str) -> PackedRow:
         """Return a copy with every tensor on ``device``."""
         moved = {
@@ -128,6 +141,12 @@ class PackedRow:
             attention_cost=0,
         )
 
+
+_TRAINED_FIELDS = (
+    "pred_index", "target_ids", "advantages", "sampler_logprobs", "sampler_topk_ids", "sampler_topk_logprobs",
+    "sampler_topk_valid", "candidate_ids", "candidate_valid", "token_sample",
+)
+"""The :class:`PackedRow` fields with one entry per trained token."""
 
 _ROOT = 0
 

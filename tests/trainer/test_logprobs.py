@@ -36,7 +36,9 @@ def random_row(seed: int, trained: int = 17) -> PackedRow:
 def naive(hidden: torch.Tensor, head: torch.nn.Linear, row: PackedRow, temperature: float):
     logits = head(hidden).float() / temperature  # (N, V): the tensor the chunked path never builds
     z = logits[row.pred_index]  # (T, V)
-    keep = torch.zeros_like(z, dtype=torch.bool).scatter_(1, row.candidate_ids, row.candidate_valid)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    for t, (ids, valid) in enumerate(zip(row.candidate_ids, row.candidate_valid, strict=True)):
+        keep[t, ids[valid]] = True  # a padding entry never hides a valid one of the same id
     z = z.masked_fill(~(keep | ~row.candidate_valid.any(-1, keepdim=True)), float("-inf"))
     logp = torch.log_softmax(z, -1)
     entropy = -(logp.exp() * logp.masked_fill(z == float("-inf"), 0)).sum(-1)
@@ -62,6 +64,18 @@ def test_chunked_equals_naive(chunk_size: int) -> None:
     ref_grads = torch.autograd.grad(weights @ ref_logp + ref_topk[finite].sum(), [hidden, head.weight, head.bias])
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_of_a_shorter_candidate_set_hides_nothing() -> None:
+    """Token 0 is a candidate of the first token; the padding of its shorter set is id 0 too."""
+    row = dataclasses.replace(
+        random_row(0, trained=2),
+        target_ids=torch.tensor([0, 3]),
+        candidate_ids=torch.tensor([[0, 5, 0], [3, 4, 6]]),
+        candidate_valid=torch.tensor([[True, True, False], [True, True, True]]),
+    )
+    out = logprobs_from_hidden(torch.randn(N, D), torch.nn.Linear(D, V), row, temperature=1.0)
+    assert torch.isfinite(out.logp).all()
 
 
 def test_a_row_without_trained_tokens_still_reaches_the_parameters() -> None:

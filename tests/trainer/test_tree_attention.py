@@ -84,7 +84,9 @@ def reference_logprobs(model: Qwen3ForCausalLM, sample: TrainingSample, row: Pac
     mine = row.token_sample == s
     z = logits[positions]  # (T_s, V)
     if row.candidate_ids is not None:
-        keep = torch.zeros_like(z, dtype=torch.bool).scatter_(1, row.candidate_ids[mine], row.candidate_valid[mine])
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        for t, (ids, valid) in enumerate(zip(row.candidate_ids[mine], row.candidate_valid[mine], strict=True)):
+            keep[t, ids[valid]] = True
         z = z.masked_fill(~(keep | ~row.candidate_valid[mine].any(-1, keepdim=True)), float("-inf"))
     logp = torch.log_softmax(z, -1)
     return logp.gather(1, row.target_ids[mine][:, None]).squeeze(1), logp.gather(1, row.sampler_topk_ids[mine])
