@@ -31,8 +31,7 @@ from trainer.batching import MicroBatch, MicroBatchStream
 from trainer.chat_template import check_prefix_preserving
 from trainer.config import AsyncGRPOConfig
 from trainer.errors import ConfigError
-from trainer.logprobs import forward_packed
-from trainer.loss import LossConfig, grpo_loss, loss_metrics, reduce_loss_stats
+from trainer.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
 from trainer.metrics import MetricWindow
 from trainer.rollout_loop import AsyncRolloutLoop
 from trainer.rollout_types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -332,8 +331,9 @@ class AsyncGRPOTrainer(Trainer):
         t0 = time.perf_counter()
         row = inputs.row_for(self.accelerator.process_index).to(self.args.device)
         with self.compute_loss_context_manager():
-            logps = forward_packed(model, row, self.args.temperature)
-            loss, stats = grpo_loss(logps, row, self.loss_config, inputs.num_trained_global)
+            # The LM head's gradient is formed during this forward (trainer.logprobs.head_loss_from_hidden).
+            loss, stats = packed_grpo_loss(model, row, self.args.temperature, self.loss_config,
+                                           inputs.num_trained_global)
             loss = loss / self.current_gradient_accumulation_steps
         self.accelerator.backward(loss)
         self._loss_stats.append(stats)
