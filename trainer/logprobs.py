@@ -165,6 +165,43 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.add_(a @ b)
 
 
+def _softmax_stats(
+    logits: torch.Tensor, excluded: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log Z (C,) and entropy (C,) of softmax(logits / temperature) over each token's candidates."""
+    z = logits.float() / temperature  # (C, V)
+    if excluded is not None:
+        z = z.masked_fill(excluded, float("-inf"))
+    log_z = torch.logsumexp(z, dim=-1)  # (C,)
+    p_z = torch.exp(z - log_z[:, None]) * z  # (C, V) p_v z_v
+    if excluded is not None:
+        p_z = p_z.masked_fill(excluded, 0.0)  # 0 * -inf
+    return log_z, log_z - p_z.sum(-1)  # H = log Z - sum_v p_v z_v
+
+
+def _softmax_grad(
+    logits: torch.Tensor, excluded: torch.Tensor | None, log_z: torch.Tensor, g_sum: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """-p_v * g_sum (C, V) in the logits' dtype: the part of dL/dlogits that every id v has."""
+    grad = torch.exp(logits.float() / temperature - log_z[:, None]) * -g_sum[:, None]  # (C, V)
+    if excluded is not None:
+        grad = grad.masked_fill(excluded, 0.0)  # the -inf logits have no gradient
+    return grad.to(logits.dtype)
+
+
+_COMPILED: dict[Callable[..., object], Callable[..., object]] = {}
+
+
+def _compiled(fn: Callable[..., object], x: torch.Tensor) -> Callable[..., object]:
+    """``fn`` compiled on CUDA (its (C, V) steps become a few passes over the logits, with no
+    float32 (C, V) buffer); eager elsewhere (the CPU tests run the same code)."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 def _fused_chunk(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -177,37 +214,34 @@ def _fused_chunk(
     """One chunk of C trained tokens: its summed loss / divisor, its detached log-probs and entropy,
     and the gradient of that loss w.r.t. the chunk's logits (C, V), in the logits' dtype."""
     logits = F.linear(h, weight, bias)  # (C, V), the model's dtype
-    z = logits.float()  # (C, V) logits / temperature
-    if temperature != 1.0:
-        z.div_(temperature)
     excluded = None
     if row.candidate_ids is not None and row.candidate_valid is not None:
-        excluded = _excluded(z, row.candidate_ids, row.candidate_valid)  # (C, V)
-        z.masked_fill_(excluded, float("-inf"))
-    log_p = torch.log_softmax(z, dim=-1)  # (C, V)
-    del z
-    logp = log_p.gather(1, row.target_ids[:, None]).squeeze(1)  # (C,)
-    topk_logp = log_p.gather(1, row.sampler_topk_ids)  # (C, K)
-    p = log_p.exp()  # (C, V): the one softmax both the entropy and the gradient use
-    p_log_p = log_p.mul_(p)
+        excluded = _excluded(logits, row.candidate_ids, row.candidate_valid)  # (C, V)
+    log_z, entropy = _compiled(_softmax_stats, logits)(logits, excluded, temperature)  # (C,), (C,)
+    ids = torch.cat([row.target_ids[:, None], row.sampler_topk_ids], dim=1)  # (C, 1 + K): y, then H
+    z_ids = logits.gather(1, ids).float() / temperature  # (C, 1 + K)
     if excluded is not None:
-        p_log_p.nan_to_num_(nan=0.0)  # 0 * -inf outside the candidate set
-    entropy = -p_log_p.sum(-1)  # (C,)
-    del log_p, p_log_p
+        z_ids = z_ids.masked_fill(excluded.gather(1, ids), float("-inf"))
+    logp_ids = z_ids - log_z[:, None]  # (C, 1 + K)
+    logp, topk_logp = logp_ids[:, 0], logp_ids[:, 1:]
     # dL_t / dlog p by autograd on the chunk's (C,) and (C, K) log-probs: the loss's own code.
     with torch.enable_grad():
         leaf_logp, leaf_topk = logp.detach().requires_grad_(), topk_logp.detach().requires_grad_()
         losses = token_loss(RowLogProbs(leaf_logp, leaf_topk, entropy), row)  # (C,)
         g_y, g_k = torch.autograd.grad(losses.sum(), (leaf_logp, leaf_topk), materialize_grads=True)
-    # d log p_v / d z_j = 1[j = v] - p_j, and z = logits / temperature.
-    g_y, g_k = g_y / (divisor * temperature), g_k / (divisor * temperature)  # (C,), (C, K)
-    grad = p.mul_(-(g_y + g_k.sum(-1))[:, None])  # (C, V), in place of p
-    grad.scatter_add_(1, row.target_ids[:, None], g_y[:, None])
-    grad.scatter_add_(1, row.sampler_topk_ids, g_k)
+    # d log p_v / d z_j = 1[j = v] - p_j and z = logits / temperature, so with g the derivatives
+    # by id: dL/dlogit_j = (sum of g at id j - p_j sum g) / temperature.
+    g = torch.cat([g_y[:, None], g_k], dim=1) / (divisor * temperature)  # (C, 1 + K)
+    g_sum = g.sum(-1)  # (C,)
+    grad = _compiled(_softmax_grad, logits)(logits, excluded, log_z, g_sum, temperature)  # (C, V)
+    # The ids' own entries, computed in float32 and written once (an id may occur twice: y in H).
+    g_at = ((ids[:, :, None] == ids[:, None, :]) * g[:, None, :]).sum(-1)  # (C, 1 + K) g summed by id
+    at = g_at - logp_ids.exp() * g_sum[:, None]  # (C, 1 + K); p = 0 where excluded
     if excluded is not None:
-        grad.masked_fill_(excluded, 0.0)  # the -inf logits have no gradient
+        at = at.masked_fill(excluded.gather(1, ids), 0.0)
+    grad.scatter_(1, ids, at.to(grad.dtype))
     loss = losses.detach().sum() / divisor
-    return loss, RowLogProbs(logp, topk_logp, entropy), grad.to(logits.dtype)
+    return loss, RowLogProbs(logp, topk_logp, entropy), grad
 
 
 class _HeadLoss(torch.autograd.Function):
