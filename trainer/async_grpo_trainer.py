@@ -30,6 +30,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from trainer.batching import MicroBatch, MicroBatchStream
 from trainer.chat_template import check_prefix_preserving
 from trainer.config import AsyncGRPOConfig
+from trainer.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.errors import ConfigError
 from trainer.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
 from trainer.metrics import MetricWindow
@@ -118,10 +119,10 @@ class _PipelineCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.trainer
         if state.global_step % args.weight_sync_steps == 0:
-            t._sync_weights(t.stream.policy_version + 1)
+            t._sync_weights(t._policy_version + 1)
         t._end_of_step(time.perf_counter() - self._step_start)
         self._step_start = time.perf_counter()
-        if not t._explicit_max_steps and t.stream.epoch_done:
+        if not t._explicit_max_steps and t._step_feed_state.epoch_done:
             control.should_training_stop = True
 
 
@@ -208,6 +209,10 @@ class AsyncGRPOTrainer(Trainer):
         self.metrics = MetricWindow()
         self.worker: RolloutWorker | None = None
         self.stream: MicroBatchStream | None = None  # type: ignore[assignment]
+        self.feed: StepFeed | None = None  # multi-process: rank 0 -> other ranks
+        self._feed_buffer: list[MicroBatch] = []
+        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
+        self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
         self._resume_state: dict[str, Any] = {}
         self._step_fwd_bwd_s = 0.0
@@ -237,6 +242,10 @@ class AsyncGRPOTrainer(Trainer):
                 self._resume_state = json.loads(state_file.read_text())
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except BaseException as exc:
+            if self.feed is not None and self.is_world_process_zero():
+                self.feed.fail(exc)  # the other ranks re-raise it instead of waiting for data
+            raise
         finally:
             self._shutdown()
 
@@ -244,6 +253,9 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
 
     def _server_limits(self, admin: VLLMAdminClient) -> tuple[int, int | None]:
         from trainer.sampler_client import kv_cache_tokens, parse_prometheus
@@ -264,13 +276,22 @@ class AsyncGRPOTrainer(Trainer):
             kv_tokens = None
         return max_model_len, kv_tokens
 
-    def get_train_dataloader(self) -> MicroBatchStream:  # type: ignore[override]
-        """Start the rollout worker and return the micro-batch stream that replaces the DataLoader."""
+    def get_train_dataloader(self) -> MicroBatchStream | StepFeed:  # type: ignore[override]
+        """Start the rollout worker and return the micro-batch stream that replaces the DataLoader.
+
+        With several processes only rank 0 does that; the others get the :class:`StepFeed` through
+        which rank 0 sends them each step's micro-batches (see :meth:`get_batch_samples`).
+        """
         args = self.args
         world = self.accelerator.num_processes
+        start = int(self._resume_state.get("first_untrained_position", 0))
+        version = int(self._resume_state.get("policy_version", 0))
+        self._policy_version = version
+        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
         if world > 1:
-            raise ConfigError(f"this version trains in one process (found {world}); multi-process training needs "
-                              "rank 0 to broadcast the micro-batches, which is not built yet")
+            self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
+            if not self.is_world_process_zero():
+                return self.feed
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         max_model_len, kv_tokens = self._server_limits(admin) if self.is_world_process_zero() else (0, None)
         token_budget = args.token_budget or max_model_len
@@ -279,15 +300,13 @@ class AsyncGRPOTrainer(Trainer):
                 "top_k=%s / top_p=%s: this server build cannot return each token's candidate set "
                 "(--return-sampling-mask), so log-probs are normalised over the full vocabulary and the "
                 "importance ratios are biased", args.top_k, args.top_p)
-        start = int(self._resume_state.get("first_untrained_position", 0))
-        version = int(self._resume_state.get("policy_version", 0))
         ctx = spawn_context()
         allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
         channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
         if self.is_world_process_zero():
             self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
             if version > 0:  # resumed: the server still has the initial weights
-                self._sync_weights(version)
+                self._sync_weights(version, barrier=False)  # the other ranks have no weights to wait for
         tokenizer = self.processing_class
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         loop_kwargs = dict(
@@ -322,8 +341,19 @@ class AsyncGRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------ the step
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[MicroBatch], None]:
-        """Pull ``num_batches`` micro-batches (one optimizer step's worth) from the stream."""
-        return [next(epoch_iterator) for _ in range(num_batches)], None
+        """One optimizer step's ``num_batches`` micro-batches: pulled from the stream on rank 0
+        (and sent to the other ranks), received from rank 0 elsewhere."""
+        batches = [next(epoch_iterator) for _ in range(num_batches)]
+        if self.stream is None:  # a rank other than 0: epoch_iterator is the StepFeed
+            self._step_feed_state = self.feed.last
+            self._policy_version = self.feed.last.policy_version
+            return batches, None
+        self._step_feed_state = StepPayload(
+            batches, epoch_done=self.stream.epoch_done, first_untrained=self.stream.progress.first_untrained,
+            policy_version=self._policy_version)
+        if self.feed is not None:
+            self.feed.send(self._step_feed_state)
+        return batches, None
 
     def training_step(self, model: torch.nn.Module, inputs: MicroBatch, num_items_in_batch: Any = None) -> torch.Tensor:
         """Forward this process's packed row, compute the loss, backward; returns the detached loss."""
@@ -335,6 +365,9 @@ class AsyncGRPOTrainer(Trainer):
             loss, stats = packed_grpo_loss(model, row, self.args.temperature, self.loss_config,
                                            inputs.num_trained_global)
             loss = loss / self.current_gradient_accumulation_steps
+        # DDP averages gradients over the W processes, and this rank's loss is its row's sum over the
+        # trained tokens of all rows (num_trained_global): times W, the average is the global sum.
+        loss = loss * self.accelerator.num_processes
         self.accelerator.backward(loss)
         self._loss_stats.append(stats)
         self._step_fwd_bwd_s += time.perf_counter() - t0
@@ -347,9 +380,11 @@ class AsyncGRPOTrainer(Trainer):
         tokens = inputs.forwarded_tokens if isinstance(inputs, MicroBatch) else 0
         return 6 * self._num_params * tokens
 
-    def _sync_weights(self, version: int) -> None:
+    def _sync_weights(self, version: int, barrier: bool = True) -> None:
+        """Push the weights as ``version`` (rank 0) once every rank finished its optimizer step."""
         t0 = time.perf_counter()
-        self.accelerator.wait_for_everyone()
+        if barrier:
+            self.accelerator.wait_for_everyone()
         barrier_s = time.perf_counter() - t0
         if self._syncer is not None:
             timings = self._syncer.sync(self._policy_weights(), version)
@@ -357,6 +392,7 @@ class AsyncGRPOTrainer(Trainer):
             self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
         self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
         self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
+        self._policy_version = version
         if self.stream is not None:
             self.stream.policy_version = version
         if self.worker is not None:
@@ -378,7 +414,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _end_of_step(self, step_s: float) -> None:
         args = self.args
-        consumed, wait_s, per_step = self.stream.take_step_stats()
+        consumed, wait_s, per_step = self.stream.take_step_stats() if self.stream is not None else (0, 0.0, {})
         # Staleness allowance for the worker: max(max_staleness, 1) steps of what this step consumed.
         if self.worker is not None and consumed > 0:
             self.worker.channels.token_allowance.value = max(args.max_staleness, 1) * consumed
@@ -403,12 +439,12 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             m.add_records(self.worker.drain_metrics())
         if self.rollout_dataset is not None:
-            self.state.epoch = self.stream.progress.first_untrained / len(self.rollout_dataset)
+            self.state.epoch = self._step_feed_state.first_untrained / len(self.rollout_dataset)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the window's pipeline metrics to the Trainer's logs (loss, grad_norm, learning_rate)."""
-        if self._loss_stats:
-            logs.update(loss_metrics(reduce_loss_stats(self._loss_stats)))
+        if self._loss_stats:  # every rank logs at the same steps: the all-reduce is collective
+            logs.update(loss_metrics(all_reduce_loss_stats(reduce_loss_stats(self._loss_stats))))
             self._loss_stats = []
         if self.worker is not None:
             self.metrics.add_records(self.worker.drain_metrics())
