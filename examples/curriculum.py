@@ -12,8 +12,10 @@ The source's "Customizing the rollout loop" example, runnable. ``CurriculumRollo
 
 ``CurriculumTrainer`` sets ``loop_cls = CurriculumRolloutLoop``; the trainer's constructor is
 unchanged. The loop is built in the spawned rollout worker, so the classes are module-level and the
-training code sits under ``if __name__ == "__main__":``. Skipped prompts are logged as
-``curriculum/skipped_count``.
+training code sits under ``if __name__ == "__main__":``. The hooks log their own metrics with
+``self.log_metric`` / ``self.log_rate``, which reach the trainer's logs with the built-in ones:
+``curriculum/skipped_count`` (prompts skipped in the window), ``curriculum/solved_frac`` (groups
+whose pass rate reached the cap, over groups scored) and ``curriculum/pass_rate`` (mean pass rate).
 
 The task: "describe a topic in at most N words", N from 2 to 64. ``word_budget_reward`` gives 1.0
 within the budget and ``-(excess words / words)`` beyond it, so short budgets are hard, long ones
@@ -58,13 +60,16 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
         keep = self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
         if not keep:
-            self.records.add("curriculum/skipped_count", 1)  # shows up in the trainer's logs
+            self.log_metric("curriculum/skipped_count", 1)  # summed over the logging window ("count")
         return keep
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         scored = group.rewards[~np.isnan(group.rewards)]
         if len(scored):
-            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+            pass_rate = float(np.mean(scored > 0))
+            self.pass_rates[group.row_index] = pass_rate
+            self.log_metric("curriculum/pass_rate", pass_rate)  # averaged over the window
+            self.log_rate("curriculum/solved_frac", pass_rate >= self.config.pass_rate_cap, 1)
         return super().compute_advantages(group)
 
 

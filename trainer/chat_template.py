@@ -42,6 +42,7 @@ __all__ = [
     "check_prefix_preserving",
     "parse_tool_calls",
     "render_prompt_ids",
+    "render_prompt_text",
 ]
 
 IM_START = "<|im_start|>"
@@ -228,6 +229,7 @@ def render_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
     **chat_template_kwargs: Any,
 ) -> list[int]:
     """Token ids of the whole conversation followed by the generation prompt.
@@ -236,70 +238,80 @@ def render_prompt_ids(
         tokenizer: A tokenizer with a chat template.
         messages: The conversation so far (system/user/assistant/tool message dicts).
         tools: JSON schemas of the tools, rendered into the system prompt; ``None`` for none.
+        chat_template: A template to render with instead of the tokenizer's own (e.g. a training
+            template from :mod:`trainer.training_templates`); ``None`` for the tokenizer's.
         **chat_template_kwargs: Extra template variables (e.g. ``enable_thinking=False``).
 
     Returns:
         The prompt token ids (the template's own special tokens included; nothing added).
     """
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(render_prompt_text(tokenizer, messages, tools, chat_template, **chat_template_kwargs),
+                          add_special_tokens=False)["input_ids"])
 
 
-def _synthetic_stages(tools: list[dict[str, Any]] | None) -> list[list[dict[str, Any]]]:
-    """Growing prefixes of a tool conversation: each stage adds one assistant turn and its tool replies."""
+def render_prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    **chat_template_kwargs: Any,
+) -> str:
+    """The text that :func:`render_prompt_ids` tokenizes (same arguments)."""
+    return tokenizer.apply_chat_template(  # type: ignore[return-value]
+        messages, tools=tools, chat_template=chat_template, add_generation_prompt=True, tokenize=False,
+        **chat_template_kwargs)
+
+
+# How the synthetic assistant turns open: plain text, a reasoning block, an empty reasoning block
+# (what a reasoning model emits; templates that drop or re-space earlier reasoning fail on these).
+REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", "<think>\n\n</think>\n\n")
+
+
+def _synthetic_replies(tools: list[dict[str, Any]] | None, opening: str) -> list[tuple[str, list[str]]]:
+    """The assistant texts of a synthetic tool conversation (as a model emits them) and their tool results."""
     name = tools[0]["function"]["name"] if tools else "lookup"
-    call = {"type": "function", "function": {"name": name, "arguments": {"step": 2}}}
-    conversation: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Please do it in two calls."},
-    ]
-    stages = [list(conversation)]
-    for turn in (
-        [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "2"}],
-        [
-            {"role": "assistant", "content": "Two more.", "tool_calls": [call, call]},
-            {"role": "tool", "content": "4"},
-            {"role": "tool", "content": "6"},
-        ],
-    ):
-        conversation += turn
-        stages.append(list(conversation))
-    return stages
+    call = _assistant_text("", [ToolCall(name=name, arguments={"step": 2})])
+    return [(opening + call, ["2"]), (opening + "Two more.\n" + call + "\n" + call, ["4", "6"])]
 
 
 def check_prefix_preserving(
-    tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None, **kw: Any
+    tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None, **kw: Any,
 ) -> bool:
     """Whether the tokenizer's template keeps the token prefix across tool-calling turns.
 
-    Renders a synthetic conversation (system, user, then assistant turns with one and two tool
-    calls, each followed by its tool messages) at every stage with the generation prompt, and
-    checks that each stage's prompt ids, followed by the ids of the assistant completion that comes
-    next (the rendered assistant text, tokenized, plus EOS: what a model emitting that text
-    produces), start the next stage's prompt ids.
+    Plays the rollout loop on a synthetic conversation (system, user, then an assistant turn with one
+    tool call and one with two, each followed by its tool messages), once for each of
+    :data:`REASONING_OPENINGS`: each turn's prompt ids followed by the ids of the assistant text (as
+    tokenized, plus EOS: what a model emitting it produces) must start the next turn's prompt ids,
+    with the assistant message built from the text by :func:`build_assistant_message`, as the loop
+    does.
 
     Args:
         tokenizer: The tokenizer whose chat template is checked; its EOS ends a completion.
         tools: Tool schemas to render in the system prompt (the first one's name is called);
             ``None`` renders without tools and calls a made-up ``lookup`` tool.
+        chat_template: Check this template instead of the tokenizer's own.
         **kw: Extra chat-template variables, as the rollout loop would pass them.
 
     Returns:
-        ``True`` when every stage extends the previous one token by token.
+        ``True`` when every turn extends the previous one token by token.
 
     Raises:
         Whatever ``apply_chat_template`` raises for a template that cannot render a tool
         conversation at all (no template, ``TemplateError``): the rollout loop could not run either.
     """
-    stages = _synthetic_stages(tools)
-    prompts = [render_prompt_ids(tokenizer, stage, tools, **kw) for stage in stages]
-    for previous, stage, prompt in zip(prompts, stages[1:], prompts[1:]):
-        reply = [m for m in stage if m["role"] == "assistant"][-1]
-        calls = [ToolCall(**c["function"]) for c in reply["tool_calls"]]
-        completion = tokenizer(_assistant_text(reply["content"], calls), add_special_tokens=False)["input_ids"]
-        expected = previous + list(completion) + [tokenizer.eos_token_id]
-        if prompt[: len(expected)] != expected:
-            return False
+    for opening in REASONING_OPENINGS:
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Please do it in two calls."},
+        ]
+        previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
+        for text, results in _synthetic_replies(tools, opening):
+            completion = tokenizer(text, add_special_tokens=False)["input_ids"]
+            expected = previous + list(completion) + [tokenizer.eos_token_id]
+            messages += [build_assistant_message(text), *({"role": "tool", "content": r} for r in results)]
+            previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
+            if previous[: len(expected)] != expected:
+                return False
     return True

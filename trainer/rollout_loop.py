@@ -8,7 +8,8 @@ and :meth:`~AsyncRolloutLoop.compute_advantages` runs once. The training samples
 the trainer drains. :meth:`~AsyncRolloutLoop.setup` / :meth:`~AsyncRolloutLoop.close` bracket the
 run on the loop's event loop. Customise a run by subclassing and setting the trainer's
 ``loop_cls``; the subclass must be importable (module level), as the loop is built in a spawned
-process.
+process. A hook logs its own metrics with :meth:`~AsyncRolloutLoop.log_metric` /
+:meth:`~AsyncRolloutLoop.log_rate`: they reach the trainer's logs with the built-in ones.
 """
 
 from __future__ import annotations
@@ -112,6 +113,33 @@ class AsyncRolloutLoop:
         self._generated_tokens = 0
 
     # ----------------------------------------------------------------------------------- hooks
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one value of a metric of your own from any hook (e.g. ``"curriculum/skipped_count"``).
+
+        The value travels to the trainer with the worker's metrics (about once a second) and is
+        logged with the next step, reduced over the logging window by the name's last part: a word
+        ``count`` sums, ``max`` / ``min`` keep the extreme, anything else is averaged (so log a
+        per-event value, not a running total). Use a prefix of your own to stay clear of built-in names.
+
+        Args:
+            name: The metric name, ``/``-separated.
+            value: The observation.
+        """
+        self.records.add(name, value)
+
+    def log_rate(self, name: str, numerator: float, denominator: float) -> None:
+        """Log one observation of a ratio, logged as sum of numerators / sum of denominators.
+
+        Use it for a fraction over events whose count varies (solved / attempted): the window's
+        value weighs every event equally, and is NaN when no denominator was logged in it.
+
+        Args:
+            name: The metric name, ``/``-separated.
+            numerator: This observation's share of the numerator.
+            denominator: This observation's share of the denominator.
+        """
+        self.records.add_rate(name, numerator, denominator)
+
     async def setup(self) -> None:
         """Create resources the other hooks need (an HTTP client...). Runs before the first prompt."""
 
@@ -302,6 +330,8 @@ class AsyncRolloutLoop:
                 await asyncio.sleep(0.02)
             if waited:
                 self.records.add("rollout/backpressure_s", time.monotonic() - t0)
+            await self.cap.wait_for_room()
+            self.cap.reserve(self.config.num_generations)
             self.allowance.started()
             task = asyncio.create_task(self._run_group(position, row_index, row))
             groups.add(task)
@@ -316,7 +346,8 @@ class AsyncRolloutLoop:
 
     async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
         version = int(self.channels.model_version.value)
-        results = await asyncio.gather(*(self._one_rollout(row, position) for _ in range(self.config.num_generations)),
+        results = await asyncio.gather(*(self._one_rollout(row, position, reserved=True)
+                                         for _ in range(self.config.num_generations)),
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, _RolloutFailed):
@@ -348,9 +379,11 @@ class AsyncRolloutLoop:
         await self.score_queue.put((group, rollouts, position))
         self.records.add("rollout/score_block_s", time.monotonic() - t0)
 
-    async def _one_rollout(self, row: dict[str, Any], position: int) -> tuple[list[dict[str, Any]], Rollout, Any]:
-        """Acquire a slot and an environment, run :meth:`generate_one`, score the environment."""
-        await self.cap.acquire()
+    async def _one_rollout(self, row: dict[str, Any], position: int,
+                           reserved: bool = False) -> tuple[list[dict[str, Any]], Rollout, Any]:
+        """Acquire a slot (promised to this rollout's group when ``reserved``) and an environment, run
+        :meth:`generate_one`, score the environment."""
+        await self.cap.acquire(reserved)
         t0 = time.monotonic()
         name, env = None, None
         try:

@@ -19,10 +19,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sdk.tools import environment_tools, tool_from_function
 from trainer.chat_template import render_prompt_ids
+from trainer.metrics import MetricWindow
 from trainer.vllm_server import VLLMServer
 from trainer.weight_sync import WeightSynchronizer
 
@@ -149,6 +151,38 @@ def test_curriculum_pieces() -> None:
     assert ex.word_budget_reward(completions=completions, limit=[4, 2]) == [1.0, -0.5]
 
 
+def _group(row_index: int, rewards: list[float]) -> Any:
+    from trainer.async_grpo_trainer import RolloutGroup
+
+    n = len(rewards)
+    return RolloutGroup(prompts=[[]] * n, reward_kwargs={}, completions=[[]] * n, completions_ids=[[]] * n,
+                        completions_sequences=[[]] * n, tool_call_counts=[0] * n, tool_failure_counts=[0] * n,
+                        model_version=0, group_id=row_index, row_index=row_index, env_rewards=[None] * n,
+                        rollout_rewards=[None] * n, rewards=np.array(rewards))
+
+
+def test_curriculum_hooks_log_their_own_metrics(tmp_path: Path) -> None:
+    # The hooks' log_metric / log_rate records are what the worker ships to the trainer's metric
+    # window (rollout_loop._flush_metrics): reduced there with the built-in metrics' rules.
+    ex = _example("curriculum")
+    config = ex.CurriculumConfig(output_dir=str(tmp_path), pass_rate_cap=0.75, report_to="none", use_cpu=True)
+    loop = ex.CurriculumRolloutLoop(config=config, model_name="tiny", dataset=None, reward_funcs=[],
+                                    processing_class=None, eos_token_ids=[0], channels=None)
+    try:
+        asyncio.run(loop.setup())
+        loop.compute_advantages(_group(0, [1.0, 1.0, 1.0, 1.0]))  # solved
+        loop.compute_advantages(_group(1, [1.0, -0.5, -0.5, -0.5]))  # a quarter passes
+        assert [loop.filter_prompt(i, {}, epoch=1) for i in (0, 1, 0)] == [False, True, False]
+        window = MetricWindow()
+        window.add_records(loop.records.take())
+        logged = window.flush()
+    finally:
+        loop.executor.shutdown()
+    assert logged["curriculum/skipped_count"] == 2.0, "a count is summed over the window"
+    assert logged["curriculum/pass_rate"] == pytest.approx(0.625), "other values are averaged"
+    assert logged["curriculum/solved_frac"] == 0.5, "a rate is sum of numerators / sum of denominators"
+
+
 # --------------------------------------------------------------------------- the runs
 
 
@@ -237,4 +271,7 @@ def test_curriculum_run_skips_solved_prompts(vllm_server: VLLMServer, tiny_model
     trainer = _train("curriculum", vllm_server, tiny_model_dir, tmp_path, max_steps=2)
     logged = _logged(trainer)
     assert sum(logged.get("curriculum/skipped_count", [])) > 0, "the curriculum skipped solved prompts"
+    # The loop's own metrics (log_metric / log_rate in the spawned worker) reached the trainer's logs.
+    assert any(v > 0 for v in logged["curriculum/solved_frac"])
+    assert all(0.0 <= v <= 1.0 for v in logged["curriculum/pass_rate"])
     assert "word_budget_reward" in _reward_names(logged)
