@@ -198,7 +198,7 @@ def test_two_ranks_give_the_single_process_gradient(tiny_model_dir: Path, tmp_pa
     for row in mb.rows:
         loss, _ = grpo_loss(forward_packed(model, row, 1.0), row, LossConfig(), mb.num_trained_global)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     for name, p in model.named_parameters():
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     # The logged loss (mean over ranks of each rank's scaled loss) is the global loss.
