@@ -17,15 +17,16 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Response, WebSocket
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from envserver.auth import BearerAuth
 from envserver.config import ServerConfig
 from envserver.connection import Connection
 from envserver.metrics import ServerMetrics
-from envserver.pool import SyncPool
+from envserver.pool import InlinePolicy, SyncPool
 from envserver.registry import EnvSpec
 from envserver.sessions import SessionTable
 from sdk import protocol
@@ -38,7 +39,8 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     lifespan.
     """
     metrics = ServerMetrics()
-    pool = None if config.inline_sync else SyncPool(config.threads)
+    policy = InlinePolicy(config.inline_threshold) if config.inline_threshold > 0 else None
+    pool = None if config.inline_sync else SyncPool(config.threads, policy=policy)
     table = SessionTable(config, specs, metrics, pool)
 
     @contextlib.asynccontextmanager
@@ -54,7 +56,8 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.table = table
-    if config.token is not None:
+    app.add_middleware(SessionSockets, table=table)
+    if config.token is not None:  # added last, so it runs first: in front of the session sockets too
         app.add_middleware(BearerAuth, token=config.token)
     description = {name: spec.describe() for name, spec in specs.items()}
 
@@ -71,13 +74,28 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     async def environments() -> dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "environments": description}
 
-    async def session_socket(websocket: WebSocket) -> None:
-        await Connection(websocket, table).serve(websocket.path_params["env"])
-
-    # A plain Starlette route: FastAPI's dependency machinery would cost every session open.
-    app.router.add_websocket_route(protocol.WS_PATH, session_socket)
-
     return app
+
+
+class SessionSockets:
+    """ASGI middleware that hands ``WS /v1/ws/{env}`` straight to a ``Connection``.
+
+    Session sockets skip the router and the exception middlewares (a ``Connection`` turns every
+    failure into a typed frame itself); everything else goes on to the app.
+    """
+
+    _PREFIX = protocol.WS_PATH.split("{", 1)[0]
+
+    def __init__(self, app: ASGIApp, table: SessionTable) -> None:
+        self.app = app
+        self.table = table
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] == "websocket" and path.startswith(self._PREFIX):
+            await Connection(scope, receive, send, self.table).serve(path[len(self._PREFIX):])
+        else:
+            await self.app(scope, receive, send)
 
 
 def health_body(table: SessionTable) -> dict[str, Any]:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d.threads, help="thread pool size for sync environment methods")
     p.add_argument("--inline-sync", action="store_true",
                    help="run sync methods on the event loop (only for environments whose methods are all cheap)")
+    p.add_argument("--inline-threshold", type=float, default=d.inline_threshold,
+                   help="sync methods that always finish faster than this (seconds) run on the event loop; "
+                        "0 keeps them all in the thread pool")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -59,7 +62,7 @@ def main(argv: list[str]) -> int:
             max_sessions=args.max_sessions, max_waiting=args.max_waiting, queue_timeout=args.queue_timeout,
             idle_timeout=args.idle_timeout, resume_grace=args.resume_grace, call_timeout=args.call_timeout,
             max_frame_bytes=args.max_frame_bytes, threads=args.threads, inline_sync=args.inline_sync,
-            drain_timeout=args.drain_timeout,
+            inline_threshold=args.inline_threshold, drain_timeout=args.drain_timeout,
         )
     except (EnvServerError, SpecNotFoundError, ToolDefinitionError) as exc:
         print(f"toolgym serve: {exc}", file=sys.stderr)

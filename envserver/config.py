@@ -35,6 +35,11 @@ class ServerConfig:
             Saves a thread hand-off per request (less CPU per call for trivial environments)
             but a slow or blocking sync method then stalls every session and the call deadline
             cannot interrupt it: only for environments whose methods are all cheap. Off by default.
+        inline_threshold: Seconds under which a sync method counts as cheap. A method (or
+            constructor) whose recent runs in the pool all took less runs on the loop instead,
+            saving the thread hand-off; one inline run that takes longer sends it back to the pool
+            (``envserver.pool.InlinePolicy``). That one run stalls the loop and cannot be cut off
+            by ``call_timeout``; ``0`` turns inlining off and keeps every sync method in the pool.
         drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.
     """
 
@@ -50,6 +55,7 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     threads: int = 32
     inline_sync: bool = False
+    inline_threshold: float = 0.001
     drain_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -61,6 +67,8 @@ class ServerConfig:
         for name in ("queue_timeout", "idle_timeout", "resume_grace", "call_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.inline_threshold < 0:
+            raise ConfigError(f"inline_threshold must be >= 0 seconds, got {self.inline_threshold}; 0 turns it off")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.token is not None and not self.token:

@@ -66,8 +66,9 @@ class Session:
                      pool: SyncPool | None, timeout: float) -> Any:
         """Run one environment method under the deadline: async on the loop, sync in the pool.
 
-        With ``pool=None`` (``ServerConfig.inline_sync``) a sync method runs on the loop itself and
-        the deadline cannot interrupt it.
+        With ``pool=None`` (``ServerConfig.inline_sync``), or when the pool's ``InlinePolicy`` has
+        found the method cheap, a sync method runs on the loop itself and the deadline cannot
+        interrupt it.
 
         Raises:
             SessionBusy: an earlier sync call that timed out is still running.
@@ -82,6 +83,9 @@ class Session:
             return await asyncio.wait_for(func(**kwargs), timeout)
         if pool is None:
             return func(**kwargs)
+        policy = pool.policy
+        if policy is not None and policy.inline(func):
+            return policy.run(func, kwargs)
         job = pool.submit(func, **kwargs)
         try:
             return await asyncio.wait_for(job.future, timeout)
