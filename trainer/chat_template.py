@@ -34,6 +34,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "PAD_TOKEN",
+    "REASONING_OPENINGS",
     "TOOL_CALL_END",
     "TOOL_CALL_START",
     "ToolCall",
@@ -43,6 +44,7 @@ __all__ = [
     "parse_tool_calls",
     "render_prompt_ids",
     "render_prompt_text",
+    "synthetic_replies",
 ]
 
 IM_START = "<|im_start|>"
@@ -267,8 +269,16 @@ def render_prompt_text(
 REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", "<think>\n\n</think>\n\n")
 
 
-def _synthetic_replies(tools: list[dict[str, Any]] | None, opening: str) -> list[tuple[str, list[str]]]:
-    """The assistant texts of a synthetic tool conversation (as a model emits them) and their tool results."""
+def synthetic_replies(tools: list[dict[str, Any]] | None, opening: str) -> list[tuple[str, list[str]]]:
+    """The assistant texts of a synthetic tool conversation (as a model emits them) and their tool results.
+
+    Args:
+        tools: Tool schemas; the first one's name is called (a made-up ``lookup`` without tools).
+        opening: What each assistant text starts with (one of :data:`REASONING_OPENINGS`).
+
+    Returns:
+        ``(assistant text, tool results)`` per turn: one call, then some text and two calls.
+    """
     name = tools[0]["function"]["name"] if tools else "lookup"
     call = _assistant_text("", [ToolCall(name=name, arguments={"step": 2})])
     return [(opening + call, ["2"]), (opening + "Two more.\n" + call + "\n" + call, ["4", "6"])]
@@ -307,7 +317,7 @@ def check_prefix_preserving(
             {"role": "user", "content": "Please do it in two calls."},
         ]
         previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
-        for text, results in _synthetic_replies(tools, opening):
+        for text, results in synthetic_replies(tools, opening):
             completion = tokenizer(text, add_special_tokens=False)["input_ids"]
             expected = previous + list(completion) + [tokenizer.eos_token_id]
             messages += [build_assistant_message(text), *({"role": "tool", "content": r} for r in results)]

@@ -25,12 +25,13 @@ import numpy as np
 
 from sdk.exceptions import ToolgymError
 from sdk.tools import Tool, environment_tools
-from trainer.chat_template import build_assistant_message, parse_tool_calls, render_prompt_ids
+from trainer.chat_template import build_assistant_message, parse_tool_calls
 from trainer.concurrency import AdaptiveCap, TokenAllowance
 from trainer.config import AsyncGRPOConfig
 from trainer.env_pool import EnvironmentPool
 from trainer.errors import RolloutWorkerError
 from trainer.metrics import RecordBuffer
+from trainer.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.reconcile import reconcile_turns
 from trainer.rollout_stats import record_group_metrics, record_rollout_metrics
 from trainer.rollout_types import Rollout, RolloutGroup, TrainingSample, TurnRecord
@@ -68,6 +69,8 @@ class AsyncRolloutLoop:
         dataset_start_index: Stream position to start from (resume).
         max_model_len: The server's ``max_model_len`` (discovered by the trainer).
         kv_cache_tokens: The server's KV-cache capacity, ``None`` when unknown.
+        chat_template: The template :meth:`generate_one` renders with instead of the tokenizer's own
+            (the training template the trainer chose at start, see :mod:`trainer.training_templates`).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class AsyncRolloutLoop:
         dataset_start_index: int = 0,
         max_model_len: int = 2048,
         kv_cache_tokens: int | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -100,6 +104,8 @@ class AsyncRolloutLoop:
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
         self.chat_template_kwargs = dict(config.chat_template_kwargs or {})
+        self.chat_template = chat_template
+        self._incremental_render: bool | None = None  # decided on the first rollout
         self.records = RecordBuffer()
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts, thread_name_prefix="tool")
         self.sampler = SamplerClient(config.vllm_server_base_url, max_connections=config.max_concurrent_rollouts,
@@ -169,17 +175,24 @@ class AsyncRolloutLoop:
 
         Each turn renders the whole conversation with the chat template (tools as JSON schemas),
         samples with :meth:`generate_one_turn`, parses the tool calls and runs them in emitted order,
-        until a turn calls no tool or ``max_tool_calling_iterations`` is reached.
+        until a turn calls no tool or ``max_tool_calling_iterations`` is reached. Only the text a turn
+        added is tokenized again (:class:`~trainer.prompt_render.ConversationRenderer`; the ids are
+        those of a full render).
         """
         messages = list(prompt)
         schemas = [t.schema for t in tools] or None
+        if self._incremental_render is None:
+            self._incremental_render = splits_at_added_tokens(
+                self.tokenizer, schemas, self.chat_template, **self.chat_template_kwargs)
+        render = ConversationRenderer(self.tokenizer, schemas, self.chat_template, self._incremental_render,
+                                      **self.chat_template_kwargs)
         runner = ToolRunner(tools, self.executor)
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []
         calls = failures = iterations = 0
         exhausted = False
         while True:
-            prompt_ids = render_prompt_ids(self.tokenizer, messages, schemas, **self.chat_template_kwargs)
+            prompt_ids = render(messages)
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)

@@ -2,21 +2,35 @@
 
 Command (repository root, after ``make setup``)::
 
-    .venv/bin/python bench/multiturn/bench_multiturn.py [--concurrency 64 512] [--seconds 40] [--tool-ms 50]
+    .venv/bin/python bench/multiturn/bench_multiturn.py [--concurrency 64 512] [--seconds 40] [--tool-ms 50] \\
+        [--profile DIR]
 
 A warm-started tiny model (it calls tools) is served by the real vLLM CPU server; the environment
 is ``slow_counter_env:SlowCounterEnv`` (``IncrementEnv`` whose tool sleeps ``--tool-ms`` on the
 server's loop, a simulated tool latency), hosted by ``toolgym serve`` in its own process. The
 rollout loop's own multi-turn ``generate_one`` runs ``concurrency`` rollouts at a time for
 ``--seconds``. Printed per concurrency: finished rollouts/s, turns and tool calls per rollout, and
-the fraction of wall time the sampler was idle (vLLM ``num_requests_running == 0`` in 0.1 s polls)
-while rollouts waited for tools.
+the fraction of wall time the sampler was idle, measured two ways:
+
+* ``idle (client)``: the share of wall time during which this process had no sampling request in
+  flight (exact: it is the only client of the server, so the server had nothing to run);
+* ``idle (server)``: the share of 0.1 s polls of vLLM's ``/metrics`` reading
+  ``num_requests_running == 0`` (polled from the same event loop, so a blocked loop delays polls).
+
+``loop busy`` is the share of wall time the event loop ran Python code instead of waiting for I/O
+(a probe task that sleeps 5 ms adds up how late it wakes); near 100 % the loop, not the sampler or the
+tools, is the bottleneck. ``CPU ms/rollout`` is this process's CPU time per finished rollout (the
+rollout loop's own work: rendering, tokenizing, HTTP, parsing), which other load on the machine
+barely changes. ``--profile DIR`` also writes a cProfile of each point to
+``DIR/multiturn_<concurrency>.prof`` and prints its top functions.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import multiprocessing as mp
 import os
 import shutil
@@ -27,13 +41,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 from transformers import AutoTokenizer
 
 from sdk import remote_factory
 from trainer.concurrency import AdaptiveCap
 from trainer.config import AsyncGRPOConfig
 from trainer.rollout_loop import AsyncRolloutLoop
-from trainer.sampler_client import SamplerClient
+from trainer.rollout_types import TurnRecord
 from trainer.tiny_model import build_tiny_model
 from trainer.vllm_server import VLLMServer, VLLMServerConfig, free_port
 from trainer.warm_start import WarmStartConfig, warm_start
@@ -59,10 +74,40 @@ def start_envserver(tool_ms: int) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("env server did not start")
 
 
-async def measure(loop: AsyncRolloutLoop, concurrency: int, seconds: float) -> dict[str, float]:
+class TimedLoop(AsyncRolloutLoop):
+    """The default loop, timing when no sampling request is in flight (the sampler has nothing to do)."""
+
+    def start_clock(self) -> None:
+        """Start counting idle time now."""
+        self.in_flight = 0
+        self.idle_s = 0.0
+        self.idle_since: float | None = time.monotonic()
+
+    def stop_clock(self) -> float:
+        """Stop counting; returns the idle seconds since :meth:`start_clock`."""
+        if self.idle_since is not None:
+            self.idle_s += time.monotonic() - self.idle_since
+            self.idle_since = None
+        return self.idle_s
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """The default request, with the in-flight count around it."""
+        if self.in_flight == 0 and self.idle_since is not None:
+            self.idle_s += time.monotonic() - self.idle_since
+        self.in_flight += 1
+        try:
+            return await super().generate_one_turn(prompt_ids)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle_since = time.monotonic()
+
+
+async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str, float]:
     loop.cap = AdaptiveCap(concurrency, None, loop.max_model_len)
     finished: list[tuple[int, int]] = []
-    idle = busy = 0
+    idle = polls = 0
+    late_s = 0.0
     deadline = time.monotonic() + seconds
 
     async def worker(i: int) -> None:
@@ -71,21 +116,36 @@ async def measure(loop: AsyncRolloutLoop, concurrency: int, seconds: float) -> d
             finished.append((len(rollout.turns), rollout.tool_call_count))
 
     async def poll() -> None:
-        nonlocal idle, busy
-        async with SamplerClient(loop.config.vllm_server_base_url) as client:
+        nonlocal idle, polls
+        # Reads the one gauge it needs (parsing all of vLLM's /metrics takes ~10 ms of this loop).
+        async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
-                load = await client.load()
-                if load is not None:
-                    idle += load.running == 0
-                    busy += 1
+                async with session.get(f"{loop.config.vllm_server_base_url}/metrics") as r:
+                    text = await r.text()
+                running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("vllm:num_requests_running")]
+                idle += sum(running) == 0
+                polls += 1
                 await asyncio.sleep(0.1)
 
-    t0 = time.monotonic()
-    await asyncio.gather(poll(), *(worker(i) for i in range(concurrency)))
-    elapsed = time.monotonic() - t0
+    async def probe() -> None:
+        nonlocal late_s
+        while time.monotonic() < deadline:
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            late_s += max(time.monotonic() - t - 0.005, 0.0)
+
+    await loop.sampler.limits()  # as AsyncRolloutLoop.run() does before the first rollout
+    t0, cpu0 = time.monotonic(), time.process_time()
+    loop.start_clock()
+    await asyncio.gather(poll(), probe(), *(worker(i) for i in range(concurrency)))
+    elapsed, cpu_s = time.monotonic() - t0, time.process_time() - cpu0
+    client_idle_s = loop.stop_clock()
     n = max(len(finished), 1)
     return {"rollouts_per_s": len(finished) / elapsed, "turns": sum(t for t, _ in finished) / n,
-            "tool_calls": sum(c for _, c in finished) / n, "sampler_idle_frac": idle / max(busy, 1)}
+            "tool_calls": sum(c for _, c in finished) / n, "client_idle_frac": client_idle_s / elapsed,
+            "server_idle_frac": idle / max(polls, 1), "loop_busy_frac": min(late_s / elapsed, 1.0),
+            "cpu_ms_per_rollout": 1000 * cpu_s / n}
 
 
 def main() -> None:
@@ -94,6 +154,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--tool-ms", type=int, default=50)
+    parser.add_argument("--profile", type=Path, default=None, help="write a cProfile per point into this folder")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
@@ -108,7 +169,7 @@ def main() -> None:
                                              max_completion_length=48, max_tool_calling_iterations=6,
                                              max_concurrent_rollouts=concurrency, report_to="none", use_cpu=True)
                     channels = WorkerChannels.create(mp.get_context("spawn"), 0, 0)
-                    loop = AsyncRolloutLoop(
+                    loop = TimedLoop(
                         config=config, model_name=str(model_dir), dataset=None, reward_funcs=[],
                         processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
                         environment_factory=remote_factory(env_url, "SlowCounterEnv"), max_model_len=1024)
@@ -120,16 +181,27 @@ def main() -> None:
                             await loop.sampler.close()
                             await loop.envs.aclose()
 
+                    profiler = cProfile.Profile() if args.profile else None
+                    if profiler is not None:
+                        profiler.enable()
                     rows.append((concurrency, asyncio.run(run())))
+                    if profiler is not None:
+                        profiler.disable()
+                        args.profile.mkdir(parents=True, exist_ok=True)
+                        profiler.dump_stats(args.profile / f"multiturn_{concurrency}.prof")
+                        print(f"--- profile, {concurrency} concurrent (top by own time)")
+                        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         finally:
             envserver.terminate()
             envserver.wait(10)
         shutil.rmtree(model_dir, ignore_errors=True)
     print(f"tool latency {args.tool_ms} ms, {args.seconds:.0f} s per point")
-    print(f"{'concurrent':>10} {'rollouts/s':>11} {'turns':>6} {'tool calls':>10} {'sampler idle':>12}")
+    print(f"{'concurrent':>10} {'rollouts/s':>11} {'turns':>6} {'tool calls':>10} {'idle (client)':>13} "
+          f"{'idle (server)':>13} {'loop busy':>9} {'CPU ms/rollout':>14}")
     for concurrency, r in rows:
         print(f"{concurrency:>10} {r['rollouts_per_s']:>11.1f} {r['turns']:>6.2f} {r['tool_calls']:>10.2f} "
-              f"{r['sampler_idle_frac']:>12.1%}")
+              f"{r['client_idle_frac']:>13.1%} {r['server_idle_frac']:>13.1%} {r['loop_busy_frac']:>9.1%} "
+              f"{r['cpu_ms_per_rollout']:>14.1f}")
 
 
 if __name__ == "__main__":
