@@ -14,6 +14,7 @@ Data flow: dataset -> rollout worker -> vLLM / env server -> queue -> packer -> 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,14 +29,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.batching import MicroBatch, MicroBatchStream
-from trainer.chat_template import check_prefix_preserving
 from trainer.config import AsyncGRPOConfig
 from trainer.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.errors import ConfigError
 from trainer.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
 from trainer.metrics import MetricWindow
+from trainer.moe import RouterLogits, resolve_aux_loss_coef
+from trainer.reporting import CompletionRecord, report_completions
 from trainer.rollout_loop import AsyncRolloutLoop
 from trainer.rollout_types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+from trainer.tool_runner import tools_from_functions
+from trainer.training_templates import rollout_chat_template
 from trainer.tree_attention import enable_tree_attention
 from trainer.weight_sync import (
     SharedMemorySender,
@@ -183,19 +187,17 @@ class AsyncGRPOTrainer(Trainer):
                 model_id, trust_remote_code=args.trust_remote_code, revision=init_kwargs.get("revision"))
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        if (tools or environment_factory) and not check_prefix_preserving(
-                processing_class, **dict(args.chat_template_kwargs or {})):
-            logger.warning(
-                "the chat template of %s does not keep the token prefix across tool-calling turns: every turn "
-                "will fork a new training sequence (correct, but each fork re-forwards the conversation; see "
-                "rollout/fork_frac). Pass a processing_class whose template renders history unchanged.", model_id)
+        # Checked at start: a template that is not prefix-preserving is replaced, for the rollouts, by a
+        # shipped training template when it is of a known family, else a warning says turns will fork.
+        self.rollout_chat_template = rollout_chat_template(
+            processing_class, [t.schema for t in tools_from_functions(tools)] or None,
+            **dict(args.chat_template_kwargs or {})) if tools or environment_factory else None
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        if args.router_aux_loss_coef and not getattr(model.config, "num_experts", None):
-            raise ConfigError(f"router_aux_loss_coef={args.router_aux_loss_coef} is set, but "
-                              f"{type(model).__name__} is not a Mixture-of-Experts model; leave it None")
+        self._aux_coef = resolve_aux_loss_coef(model, args.router_aux_loss_coef)
+        self._router = RouterLogits(model) if self._aux_coef > 0 else None
         enable_tree_attention(model)
         self._num_params = sum(p.numel() for p in model.parameters())
         self.model_id = str(model_id)
@@ -311,7 +313,7 @@ class AsyncGRPOTrainer(Trainer):
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         loop_kwargs = dict(
             config=args, model_name=self.model_id, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
-            processing_class=tokenizer, eos_token_ids=eos, tools=self.tools,
+            processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
             environment_factory=self.environment_factory, dataset_start_index=start,
             max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
         )
@@ -321,7 +323,7 @@ class AsyncGRPOTrainer(Trainer):
         if not self._explicit_max_steps and self.rollout_dataset is not None:
             stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
-                                       start_position=start, stop_position=stop)
+                                       start_position=start, stop_position=stop, keep_samples=args.log_completions)
         self.stream.policy_version = version
         return self.stream
 
@@ -360,6 +362,8 @@ class AsyncGRPOTrainer(Trainer):
         model.train()
         t0 = time.perf_counter()
         row = inputs.row_for(self.accelerator.process_index).to(self.args.device)
+        if self._router is not None:
+            self._router.clear()
         with self.compute_loss_context_manager():
             # The LM head's gradient is formed during this forward (trainer.logprobs.head_loss_from_hidden).
             loss, stats = packed_grpo_loss(model, row, self.args.temperature, self.loss_config,
@@ -368,6 +372,10 @@ class AsyncGRPOTrainer(Trainer):
         # DDP averages gradients over the W processes, and this rank's loss is its row's sum over the
         # trained tokens of all rows (num_trained_global): times W, the average is the global sum.
         loss = loss * self.accelerator.num_processes
+        if self._router is not None:  # MoE: + coef x the load-balancing loss of this row's real tokens
+            aux = self._router.aux_loss(row.num_unique_tokens)
+            self.metrics.add("aux_loss", float(aux.detach()))
+            loss = loss + self._aux_coef * aux / self.current_gradient_accumulation_steps
         self.accelerator.backward(loss)
         self._loss_stats.append(stats)
         self._step_fwd_bwd_s += time.perf_counter() - t0
@@ -450,7 +458,21 @@ class AsyncGRPOTrainer(Trainer):
             self.metrics.add_records(self.worker.drain_metrics())
         logs.update(self.metrics.flush())
         logs["num_tokens"] = float(self._num_tokens)
+        if self.stream is not None and self.args.log_completions:
+            self._report_completions()
         super().log(logs, start_time)
+
+    def _report_completions(self) -> None:
+        """``log_completions`` (rank 0): show the completions trained since the last log."""
+        samples = self.stream.take_trained_samples()[:self.args.num_completions_to_print]
+        decode = functools.partial(self.processing_class.decode, skip_special_tokens=True)
+        records = []
+        for sample in samples:
+            ids, mask = sample.sequence.input_ids, sample.sequence.loss_mask
+            start = mask.index(1) if 1 in mask else len(ids)  # the completion starts at the first trained token
+            records.append(CompletionRecord(self.state.global_step, decode(ids[:start]), decode(ids[start:]),
+                                            sample.reward, sample.advantage))
+        report_completions(records, self.state.global_step, self.callback_handler.callbacks)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

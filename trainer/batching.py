@@ -70,10 +70,12 @@ class MicroBatchStream:
         start_position: First untrained prompt position (from a checkpoint when resuming).
         stop_position: Prompt positions at or past this are not trained (the epoch limit); ``None``
             for no limit.
+        keep_samples: Keep the trained samples until :meth:`take_trained_samples` (``log_completions``).
     """
 
     def __init__(self, worker: RolloutWorker, num_rows: int, token_budget: int, max_staleness: int,
-                 metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None) -> None:
+                 metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None,
+                 keep_samples: bool = False) -> None:
         self.worker = worker
         self.planner = RowPlanner(num_rows, token_budget)
         self.token_budget = token_budget
@@ -87,6 +89,8 @@ class MicroBatchStream:
         self.tokens_consumed = 0  # forwarded tokens taken off the queue since the last reset
         self.wait_s = 0.0
         self._step_totals: dict[str, float] = {}
+        self.keep_samples = keep_samples
+        self._trained: list[TrainingSample] = []
 
     def __iter__(self) -> MicroBatchStream:
         return self
@@ -159,6 +163,8 @@ class MicroBatchStream:
             self.metrics.add("sample/staleness_mean", self.policy_version - sample.policy_version)
             self.metrics.add("sample/staleness_max", self.policy_version - sample.policy_version)
             self.metrics.add("reward_trained", sample.reward)
+            if self.keep_samples:
+                self._trained.append(sample)
         rows = self.planner.rows()
         for name, value in batch_metrics(rows, self.token_budget).items():
             if name.endswith("_per_step"):  # summed over the step's micro-batches, recorded per step
@@ -178,6 +184,11 @@ class MicroBatchStream:
         the last call: call once per optimizer step."""
         out = (self.tokens_consumed, self.wait_s, self._step_totals)
         self.tokens_consumed, self.wait_s, self._step_totals = 0, 0.0, {}
+        return out
+
+    def take_trained_samples(self) -> list[TrainingSample]:
+        """The samples placed since the last call (empty unless ``keep_samples``)."""
+        out, self._trained = self._trained, []
         return out
 
     def state(self) -> dict[str, Any]:

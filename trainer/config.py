@@ -142,9 +142,14 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # --- logging -------------------------------------------------------------------------------
-    log_completions: bool = field(default=False, metadata={"help": "Print sampled completions at each log."})
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "At each log, show the completions trained since the previous one (prompt, completion, "
+                  "reward, advantage): a table on rank 0's console, and in TensorBoard / Weights & Biases when "
+                  "they are in report_to."},
+    )
     num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "How many completions to print when log_completions; None: all."}
+        default=None, metadata={"help": "Most completions shown per log when log_completions; None: all of them."}
     )
 
     def __post_init__(self) -> None:
@@ -183,6 +188,9 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
+            raise ConfigError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 "
+                              "(or None to show every completion)")
         if self.token_budget is not None and self.token_budget < 1:
             raise ConfigError(f"token_budget={self.token_budget} must be >= 1 (or None for the server's max_model_len)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

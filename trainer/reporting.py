@@ -4,12 +4,15 @@
 generation throughput, queue, staleness, step time) with ``rich``; :class:`PlotCallback` writes
 ``plots/<metric>.png`` under the output directory when training ends (reward,
 ``frac_zero_std_groups``, completion length, throughput) and :func:`write_plots` does the same for
-any log history.
+any log history. :func:`report_completions` shows sample completions at a log
+(``log_completions``): a table on the console, a markdown table in TensorBoard, a ``wandb.Table``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +97,64 @@ class PlotCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero:
             self.written = write_plots(state.log_history, Path(args.output_dir) / "plots")
+
+
+@dataclass
+class CompletionRecord:
+    """One trained sample as ``log_completions`` shows it."""
+
+    step: int
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float
+
+
+def completions_markdown(records: Sequence[CompletionRecord]) -> str:
+    """The records as a markdown table (cells on one line, ``|`` escaped)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| step | prompt | completion | reward | advantage |", "|---|---|---|---|---|"]
+    lines += [f"| {r.step} | {cell(r.prompt)} | {cell(r.completion)} | {r.reward:.4g} | {r.advantage:.4g} |"
+              for r in records]
+    return "\n".join(lines)
+
+
+def report_completions(records: Sequence[CompletionRecord], step: int, callbacks: Sequence[Any],
+                       console: Any = None) -> None:
+    """Show ``records`` on the console (a ``rich`` table) and in the active ``report_to`` integrations.
+
+    TensorBoard gets a markdown table under ``completions`` (text tab) at ``step``; Weights & Biases
+    a ``wandb.Table`` named ``completions``, when a run is active.
+
+    Args:
+        records: The completions to show (already limited to ``num_completions_to_print``).
+        step: The optimizer step of the log.
+        callbacks: The trainer's callbacks (the integrations are found among them).
+        console: A ``rich`` console; a new one on stdout when ``None``.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    if not records:
+        return
+    table = Table(title=f"completions at step {step}", show_lines=True)
+    for name in ("prompt", "completion", "reward", "advantage"):
+        table.add_column(name, overflow="fold")
+    for r in records:
+        table.add_row(r.prompt, r.completion, f"{r.reward:.4g}", f"{r.advantage:.4g}")
+    (console or Console()).print(table)
+    names = {type(cb).__name__: cb for cb in callbacks}
+    writer = getattr(names.get("TensorBoardCallback"), "tb_writer", None)
+    if writer is not None:
+        writer.add_text("completions", completions_markdown(records), step)
+        writer.flush()
+    if "WandbCallback" in names:
+        import wandb
+
+        if wandb.run is not None:
+            columns = ["step", "prompt", "completion", "reward", "advantage"]
+            rows = [[r.step, r.prompt, r.completion, r.reward, r.advantage] for r in records]
+            wandb.log({"completions": wandb.Table(columns=columns, data=rows)})
