@@ -10,19 +10,27 @@ Sections (``--sections``, comma-separated):
 * ``correctness``: on CUDA, a small float32 model: log-probs and gradients of a tree-packed row
   (compiled FlexAttention, BlockMask from DFS intervals) against each sample forwarded alone with
   stock SDPA.
+  Then, on CUDA, the fused head loss (``packed_grpo_loss``, compiled softmax passes) against
+  ``forward_packed`` + ``grpo_loss``: loss, statistics and gradients, float32, both loss modes;
+  and the LM head alone in bf16 at the Qwen3 vocabulary (gradient relative errors).
 * ``throughput``: a Qwen3-0.6B-shaped random model in bf16 with gradient checkpointing; the same
   samples packed by ``RowPlanner`` with and without prefix sharing (both run on the tree-attention
   backend: plain packing is its block-diagonal special case); trained tokens per second of the
-  fwd+bwd step (``forward_packed`` + ``grpo_loss`` + backward), for two GRPO shapes.
+  fwd+bwd step for two GRPO shapes, with the fused loss (``packed_grpo_loss`` + backward, what
+  ``training_step`` runs) and the unfused one (``forward_packed`` + ``grpo_loss`` + backward).
+* ``head``: the LM head + loss alone (from bf16 hidden states of 9,600 trained tokens), fused and
+  unfused, against the time of its matmuls alone.
 * ``memory``: peak memory of fwd+bwd on one 16,384-token row (every token but the first trained,
-  vocabulary 151,936): the model without logits, the chunked log-probs + loss, and a plain
-  full-logits loss; with and without gradient checkpointing.
+  vocabulary 151,936): the model without logits, the chunked log-probs + loss (fused and not),
+  and a plain full-logits loss; with and without gradient checkpointing.
+* ``profile``: the CUDA kernels of one tree-packed fused step of the first shape, by total time.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import random
 import time
 import traceback
@@ -32,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.logprobs import forward_packed
-from trainer.loss import LossConfig, grpo_loss
+from trainer.logprobs import forward_packed, head_loss_from_hidden, logprobs_from_hidden
+from trainer.loss import LossConfig, _token_losses, grpo_loss, packed_grpo_loss
 from trainer.packing import PackedRow, RowPlanner, batch_metrics, build_row
 from trainer.rollout_types import TrainingSample, TrainingSequence
 from trainer.tree_attention import enable_tree_attention, packed_hidden_states
@@ -102,11 +110,73 @@ def sync_time(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
-def train_step(model: Qwen3ForCausalLM, row: PackedRow, chunk_size: int = 512) -> None:
-    logps = forward_packed(model, row, temperature=1.0, chunk_size=chunk_size)
-    loss, _ = grpo_loss(logps, row, LossConfig(), num_trained_global=row.num_trained)
+def train_step(model: Qwen3ForCausalLM, row: PackedRow, chunk_size: int = 512, fused: bool = True) -> None:
+    if fused:
+        loss, _ = packed_grpo_loss(model, row, 1.0, LossConfig(), row.num_trained, chunk_size)
+    else:
+        logps = forward_packed(model, row, temperature=1.0, chunk_size=chunk_size)
+        loss, _ = grpo_loss(logps, row, LossConfig(), num_trained_global=row.num_trained)
     loss.backward()
     model.zero_grad(set_to_none=True)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+def fused_correctness(model: Qwen3ForCausalLM, row: PackedRow, device: str) -> None:
+    """packed_grpo_loss against forward_packed + grpo_loss on ``model``: loss, stats, every gradient."""
+    g = torch.Generator(device=device).manual_seed(0)
+    T, V = row.num_trained, model.config.vocab_size
+    with torch.no_grad():  # sampler log-probs around the model's: ratios on both sides of the masks
+        truth = forward_packed(model, row, 0.9).logp
+    row = dataclasses.replace(
+        row, sampler_logprobs=truth + 0.3 * torch.randn(T, device=device, generator=g),
+        sampler_topk_ids=torch.randint(0, V, (T, 4), device=device, generator=g),
+        sampler_topk_logprobs=-torch.rand(T, 4, device=device, generator=g) * 3 - 3,
+        sampler_topk_valid=torch.ones(T, 4, dtype=torch.bool, device=device),
+    )
+    for cfg in (LossConfig(clip_min=0.7, clip_max=1.6), LossConfig(score_centering=False)):
+        ref_loss, ref_stats = grpo_loss(forward_packed(model, row, 0.9, chunk_size=128), row, cfg, row.num_trained)
+        ref_loss.backward()
+        ref = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        loss, stats = packed_grpo_loss(model, row, 0.9, cfg, row.num_trained, chunk_size=128)
+        loss.backward()
+        grad_err = max(rel_err(p.grad, q) for p, q in zip(model.parameters(), ref, strict=True))
+        stat_err = max(abs(stats[k] - ref_stats[k]).item() / max(abs(ref_stats[k]).item(), 1e-6) for k in stats)
+        model.zero_grad(set_to_none=True)
+        print(f"fused ({'score centering' if cfg.score_centering else 'clipped'}, float32): loss {loss.item():.6f} vs "
+              f"{ref_loss.item():.6f}, max relative stat error {stat_err:.1e}, max relative grad error {grad_err:.1e}",
+              flush=True)
+    # The head alone in bf16 at the real vocabulary, with top-k / top-p candidate sets on half the tokens.
+    T, D, V, K, M = 2048, 1024, QWEN3_06B["vocab_size"], 8, 64
+    head = torch.nn.Linear(D, V, bias=False, device=device, dtype=torch.bfloat16)
+    hidden = (torch.randn(T, D, device=device, generator=g) * 2).bfloat16().requires_grad_()
+    cand_valid = torch.rand(T, M, device=device, generator=g) < 0.5
+    cand_valid[::2] = False
+    bf_row = dataclasses.replace(
+        PackedRow.empty().to(device), pred_index=torch.arange(T, device=device),
+        target_ids=torch.randint(0, V, (T,), device=device, generator=g),
+        advantages=torch.randn(T, device=device, generator=g),
+        sampler_topk_ids=torch.randint(0, V, (T, K), device=device, generator=g),
+        sampler_topk_logprobs=-torch.rand(T, K, device=device, generator=g) * 3 - 2,
+        sampler_topk_valid=torch.ones(T, K, dtype=torch.bool, device=device),
+        candidate_ids=torch.randint(0, V, (T, M), device=device, generator=g), candidate_valid=cand_valid,
+        token_sample=torch.zeros(T, dtype=torch.long, device=device), sample_group_ids=(0,),
+    )
+    bf_row.target_ids[1::2] = bf_row.candidate_ids[1::2, 0]
+    bf_row.candidate_valid[1::2, 0] = True
+    with torch.no_grad():
+        truth = logprobs_from_hidden(hidden, head, bf_row, 1.0).logp
+    bf_row = dataclasses.replace(bf_row, sampler_logprobs=truth + 0.3 * torch.randn(T, device=device, generator=g))
+    cfg = LossConfig()
+    ref_loss, _ = grpo_loss(logprobs_from_hidden(hidden, head, bf_row, 1.0), bf_row, cfg, T)
+    ref = torch.autograd.grad(ref_loss, [hidden, head.weight])
+    loss, _ = head_loss_from_hidden(hidden, head, bf_row, 1.0, lambda lp, r: _token_losses(lp, r, cfg), T)
+    got = torch.autograd.grad(loss, [hidden, head.weight])
+    print(f"fused head, bf16, vocabulary {V}: loss {loss.item():.6f} vs {ref_loss.item():.6f}; relative grad error "
+          f"hidden {rel_err(got[0], ref[0]):.1e}, weight {rel_err(got[1], ref[1]):.1e}", flush=True)
 
 
 def correctness(device: str) -> None:
@@ -132,49 +202,96 @@ def correctness(device: str) -> None:
     )
     print(f"correctness: {row.num_trained} tokens, {row.num_unique_tokens}/{row.num_unpacked_tokens} forwarded; "
           f"max |logp - alone| = {err:.2e}, max relative grad error = {grad_err:.2e}", flush=True)
+    model.zero_grad(set_to_none=True)
+    if device == "cuda":
+        fused_correctness(model, row, device)
 
 
-def step_flops(rows: list[PackedRow], spec: dict) -> float:
+def step_flops(rows: list[PackedRow], spec: dict, head_matmuls: int) -> float:
     """FLOPs of the fwd+bwd step by a simple model: every matmul once forward, once recomputed
-    (checkpointing) and twice backward; attention per allowed query-key pair; LM head per trained token."""
+    (checkpointing) and twice backward; attention per allowed query-key pair; LM head per trained
+    token, ``head_matmuls`` times (4 unfused, 3 fused)."""
     d, head_dim = spec["hidden_size"], spec["head_dim"]
     q_dim, kv_dim = spec["num_attention_heads"] * head_dim, spec["num_key_value_heads"] * head_dim
     layer_params = 2 * d * q_dim + 2 * d * kv_dim + 3 * d * spec["intermediate_size"]
     per_token = 2 * spec["num_hidden_layers"] * layer_params * 4
     per_pair = spec["num_hidden_layers"] * 2 * (2 * q_dim) * 4  # q.k and p.v
-    per_trained = 2 * d * spec["vocab_size"] * 4
+    per_trained = 2 * d * spec["vocab_size"] * head_matmuls
     return sum(
         r.num_unique_tokens * per_token + r.attention_cost * per_pair + r.num_trained * per_trained for r in rows
     )
 
 
 def throughput(spec: dict, shapes: list[Shape], budget: int, device: str, repeats: int) -> list[str]:
+    """Plain and tree packing of each shape, timed alternately (best of ``repeats``), fused and unfused loss."""
     model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
     lines = []
     for shape in shapes:
         samples = grpo_samples(shape, spec["vocab_size"])
-        result = {}
-        for share in (False, True):
-            rows = [r.to(device) for r in plan(samples, budget, share)]
-            for r in {r.num_unique_tokens: r for r in rows}.values():  # compile each row length
-                seconds = sync_time(lambda r=r: train_step(model, r), device)
-                print(f"  warm-up {r.num_unique_tokens} tokens: {seconds:.1f}s")
-            times = [sum(sync_time(lambda r=r: train_step(model, r), device) for r in rows) for _ in range(repeats)]
-            trained = sum(r.num_trained for r in rows)
-            forwarded = sum(r.num_unique_tokens for r in rows)
-            m = batch_metrics(rows, budget)
-            result[share] = (trained / min(times), forwarded / min(times), len(rows), m, step_flops(rows, spec))
-            print(f"  {shape.name} share={share}: {len(rows)} rows, {trained} trained, {forwarded} forwarded, "
-                  f"best {min(times):.3f}s of {[round(t, 3) for t in times]}", flush=True)
-        (plain_tps, plain_fps, plain_rows, _, plain_flops), (tree_tps, tree_fps, tree_rows, m, tree_flops) = (
-            result[False], result[True]
-        )
+        rows = {share: [r.to(device) for r in plan(samples, budget, share)] for share in (False, True)}
+        m = batch_metrics(rows[True], budget)
         ratio = m["batch/packing_ratio"]
-        lines.append(
-            f"| {shape.name} | {ratio:.2f} | {m['batch/samples_per_row']:.1f} | {plain_rows} / {tree_rows} | "
-            f"{plain_tps:,.0f} | {tree_tps:,.0f} | {tree_tps / plain_tps:.2f}x | {tree_tps / plain_tps / ratio:.2f} | "
-            f"{plain_flops / tree_flops:.2f}x | {plain_fps:,.0f} / {tree_fps:,.0f} |"
-        )
+        for fused in (True, False):
+            step = lambda r, fused=fused: train_step(model, r, fused=fused)  # noqa: E731
+            for r in {r.num_unique_tokens: r for share in rows for r in rows[share]}.values():  # compile each length
+                print(f"  warm-up {r.num_unique_tokens} tokens: {sync_time(lambda r=r: step(r), device):.1f}s")
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(repeats):
+                for share in (False, True):
+                    times[share].append(sum(sync_time(lambda r=r: step(r), device) for r in rows[share]))
+            result = {}
+            for share in (False, True):
+                trained = sum(r.num_trained for r in rows[share])
+                forwarded = sum(r.num_unique_tokens for r in rows[share])
+                best = min(times[share])
+                result[share] = (trained / best, forwarded / best, step_flops(rows[share], spec, 3 if fused else 4))
+                print(f"  {shape.name} fused={fused} share={share}: {len(rows[share])} rows, {trained} trained, "
+                      f"{forwarded} forwarded, best {best:.3f}s of {[round(t, 3) for t in times[share]]}", flush=True)
+            (plain_tps, plain_fps, plain_flops), (tree_tps, tree_fps, tree_flops) = result[False], result[True]
+            lines.append(
+                f"| {shape.name} | {'fused' if fused else 'unfused'} | {ratio:.2f} | {m['batch/samples_per_row']:.1f} | "
+                f"{len(rows[False])} / {len(rows[True])} | {plain_tps:,.0f} | {tree_tps:,.0f} | "
+                f"{tree_tps / plain_tps:.2f}x | {tree_tps / plain_tps / ratio:.2f} | {plain_flops / tree_flops:.2f}x | "
+                f"{plain_fps:,.0f} / {tree_fps:,.0f} |"
+            )
+    return lines
+
+
+def head(device: str, repeats: int, tokens: int = 9600, chunk_size: int = 512) -> list[str]:
+    """The LM head + loss alone from bf16 hidden states: fused, unfused, and its matmuls alone."""
+    D, V = QWEN3_06B["hidden_size"], QWEN3_06B["vocab_size"]
+    if device != "cuda":
+        D, V, tokens = TINY["hidden_size"], TINY["vocab_size"], 256
+    g = torch.Generator(device=device).manual_seed(0)
+    lm_head = torch.nn.Linear(D, V, bias=False, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(tokens, D, device=device, generator=g).bfloat16().requires_grad_()
+    ids = torch.randint(0, V, (tokens,), device=device, generator=g)
+    seq = TrainingSequence([0, *ids.tolist()], [0] + [1] * tokens, [0.0] + [-2.0] * tokens)
+    row = build_row([TrainingSample(seq, advantage=1.0, group_id=0, policy_version=0)]).to(device)
+    row = dataclasses.replace(row, pred_index=torch.arange(tokens, device=device))
+    cfg = LossConfig()
+
+    def fused() -> None:
+        loss, _ = head_loss_from_hidden(hidden, lm_head, row, 1.0, lambda lp, r: _token_losses(lp, r, cfg), tokens)
+        loss.backward()
+
+    def unfused() -> None:
+        grpo_loss(logprobs_from_hidden(hidden, lm_head, row, 1.0, chunk_size), row, cfg, tokens)[0].backward()
+
+    def matmuls() -> None:  # forward, grad of the input, grad of the weight: the fused path's 3 per chunk
+        with torch.no_grad():
+            for start in range(0, tokens, chunk_size):
+                h = hidden[start:start + chunk_size]
+                logits = h @ lm_head.weight.T
+                _ = logits @ lm_head.weight, logits.T @ h
+
+    lines = []
+    for name, fn in (("fused", fused), ("unfused", unfused), ("3 matmuls only", matmuls)):
+        fn()  # warm-up (compiles)
+        best = min(sync_time(fn, device) for _ in range(repeats))
+        hidden.grad = lm_head.weight.grad = None
+        lines.append(f"| {name} | {tokens} | {best * 1e3:.1f} | {best * 1e6 / tokens:.2f} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -210,7 +327,8 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
 
         variants = [("model, no logits", no_logits), ("full logits", full_logits)]
         chunks = (256, 512, 1024) if checkpointing else (512,)
-        variants += [(f"chunked ({c})", lambda c=c: train_step(model, row, c)) for c in chunks]
+        variants += [(f"chunked ({c})", lambda c=c: train_step(model, row, c, fused=False)) for c in chunks]
+        variants += [(f"fused ({c})", lambda c=c: train_step(model, row, c)) for c in chunks]
         no_logits()  # compile for this row length
         base = None
         for name, fn in variants:
@@ -227,10 +345,30 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
     return lines
 
 
+def profile(spec: dict, shape: Shape, budget: int, device: str) -> list[str]:
+    """The CUDA kernels of one fused tree-packed step (the first row of ``shape``), by total time."""
+    model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
+    row = plan(grpo_samples(shape, spec["vocab_size"]), budget, share=True)[0].to(device)
+    train_step(model, row)  # compile
+    activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step_s = sync_time(lambda: train_step(model, row), device)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] or list(
+        prof.key_averages()
+    )
+    events.sort(key=lambda e: e.self_device_time_total if device == "cuda" else e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_device_time_total if device == "cuda" else e.self_cpu_time_total for e in events)
+    lines = [f"| (step {step_s * 1e3:.0f} ms, {row.num_unique_tokens} tokens, {row.num_trained} trained) | | | |"]
+    for e in events[:25]:
+        us = e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
+        lines.append(f"| {e.key[:90]} | {e.count} | {us / 1e3:.1f} | {100 * us / total:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and samples (CPU smoke test)")
-    parser.add_argument("--sections", default="correctness,throughput,memory")
+    parser.add_argument("--sections", default="correctness,throughput,head,memory,profile")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -251,10 +389,17 @@ def main() -> None:
             elif name == "throughput":
                 rows = throughput(spec, shapes, budget, device, args.repeats)
                 tables.append(
-                    "| shape | packing ratio | samples/row | rows plain / tree | plain trained tok/s "
+                    "| shape | loss | packing ratio | samples/row | rows plain / tree | plain trained tok/s "
                     "| tree trained tok/s | speedup | speedup / ratio | FLOP-model speedup "
-                    "| forwarded tok/s plain / tree |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                    "| forwarded tok/s plain / tree |\n|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
                 )
+            elif name == "head":
+                rows = head(device, args.repeats)
+                tables.append("| LM head + loss | trained tokens | best ms | us / token |\n|---|---|---|---|\n"
+                              + "\n".join(rows))
+            elif name == "profile":
+                rows = profile(spec, shapes[0], budget, device)
+                tables.append("| kernel | calls | ms | % |\n|---|---|---|---|\n" + "\n".join(rows))
             elif name == "memory":
                 rows = memory(spec, mem_tokens, device)
                 tables.append(
