@@ -41,9 +41,13 @@ def test_specs_name_environments_and_refuse_duplicates():
         parse_specs(["environments.counter:Nope"])
 
 
-def test_bad_config_exits_2(capsys):
-    assert main(["counter", "--max-sessions", "0"]) == 2
-    assert "max_sessions must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-sessions", "0"], "max_sessions must be >= 1"),
+    (["--inline-threshold", "-1"], "inline_threshold must be >= 0"),
+])
+def test_bad_config_exits_2(capsys, args, message):
+    assert main(["counter", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
-from toolgym_fixtures import health, http_get, make_server, request, wait_until, ws_url
+from toolgym_fixtures import ProbeEnv, health, http_get, make_server, request, wait_until, ws_url
 
 
 def metric(server: Any, name: str, **labels: str) -> float:
@@ -102,25 +102,50 @@ def test_call_deadline_fails_the_call_not_the_session():
         assert metric(srv, "toolgym_requests_total", env="probe", op="call", tool="anap", outcome="call_timeout") == 1
 
 
-def test_slow_tool_does_not_block_other_sessions():
-    async def scenario(server):
-        async with websockets.connect(ws_url(server, "probe")) as slow, \
-                   websockets.connect(ws_url(server, "probe")) as fast:
-            await slow.recv(), await fast.recv()
-            await slow.send(json.dumps({"id": 1, "op": "call", "tool": "nap", "args": {"seconds": 5.0}}))
-            slow_reply_task = asyncio.ensure_future(slow.recv())
-            for rid in range(1, 21):
-                assert (await request(fast, rid, "call", tool="echo", args={"text": "x"}))["ok"]
-            # Ordering, not timing: the other session's 20 calls all finished while the nap ran.
-            fast_done_first = not slow_reply_task.done()
-            slow_reply = json.loads(await slow_reply_task)
-            await request(slow, 2, "close"), await request(fast, 21, "close")
-        return fast_done_first, slow_reply
+async def _others_progress_during_a_nap(server: Any, seconds: float = 5.0) -> tuple[bool, dict[str, Any]]:
+    """Run ``nap(seconds)`` on one session and 20 echo calls on another; whether they all finished first."""
+    async with websockets.connect(ws_url(server, "probe")) as slow, \
+               websockets.connect(ws_url(server, "probe")) as fast:
+        await slow.recv(), await fast.recv()
+        await slow.send(json.dumps({"id": 1, "op": "call", "tool": "nap", "args": {"seconds": seconds}}))
+        slow_reply_task = asyncio.ensure_future(slow.recv())
+        for rid in range(1, 21):
+            assert (await request(fast, rid, "call", tool="echo", args={"text": "x"}))["ok"]
+        # Ordering, not timing: the other session's 20 calls all finished while the nap ran.
+        fast_done_first = not slow_reply_task.done()
+        slow_reply = json.loads(await slow_reply_task)
+        await request(slow, 2, "close"), await request(fast, 21, "close")
+    return fast_done_first, slow_reply
 
+
+def test_slow_tool_does_not_block_other_sessions():
     with make_server(call_timeout=30.0) as srv:  # a 5 s nap, well inside the call deadline
-        fast_done_first, slow_reply = asyncio.run(scenario(srv))
+        fast_done_first, slow_reply = asyncio.run(_others_progress_during_a_nap(srv))
     assert fast_done_first
     assert slow_reply["result"] == "rested"
+
+
+def test_a_cheap_tool_runs_inline_until_it_runs_long_then_goes_back_to_the_pool():
+    """Adaptive inlining: a sync tool proven cheap runs on the loop; one long run sends it back."""
+    async def warm_up_then_one_long_run(server: Any) -> tuple[bool, bool]:
+        async with websockets.connect(ws_url(server, "probe")) as ws:
+            await ws.recv()
+            rid = 0
+            while not policy.inline(ProbeEnv.nap) and rid < 500:  # cheap naps until it is inlined
+                rid += 1
+                assert (await request(ws, rid, "call", tool="nap", args={"seconds": 0}))["ok"]
+            inlined = policy.inline(ProbeEnv.nap)
+            assert (await request(ws, rid + 1, "call", tool="nap", args={"seconds": 0.05}))["ok"]
+            demoted = not policy.inline(ProbeEnv.nap)
+            await request(ws, rid + 2, "close")
+        return inlined, demoted
+
+    with make_server(call_timeout=30.0) as srv:
+        policy = srv.table.pool.policy  # read for assertions only (it belongs to the server's loop)
+        inlined, demoted = asyncio.run(warm_up_then_one_long_run(srv))
+        fast_done_first, slow_reply = asyncio.run(_others_progress_during_a_nap(srv))
+    assert inlined and demoted
+    assert fast_done_first and slow_reply["result"] == "rested"
 
 
 def test_many_concurrent_sessions_are_isolated(server):

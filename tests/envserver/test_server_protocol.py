@@ -137,6 +137,7 @@ def test_tool_exception_is_a_tool_error_and_the_session_survives(server):
 
 @pytest.mark.parametrize(("path", "code", "hint"), [
     ("/v1/ws/countr?v=1", "unknown_environment", "did you mean 'counter'"),
+    ("/v1/ws/counter/extra?v=1", "unknown_environment", "no environment named 'counter/extra'"),
     ("/v1/ws/counter?v=99", "unsupported_version", "v=1"),
     ("/v1/ws/counter?v=1&session=nope", "session_not_found", "no such session"),
 ])
