@@ -47,6 +47,7 @@ from trainer.weight_sync import (
     WeightSender,
     WeightSynchronizer,
     checkpoint_manifest,
+    merged_lora_weights,
 )
 from trainer.worker import RolloutWorker, WorkerChannels, spawn_context
 
@@ -409,15 +410,8 @@ class AsyncGRPOTrainer(Trainer):
     def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the server serves, by checkpoint name (LoRA merged into the base weights)."""
         model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "merge_adapter"):
-            model.merge_adapter()
-            try:
-                return [
-                    (n.replace("base_model.model.", "", 1).replace(".base_layer", ""), p.detach().clone())
-                    for n, p in model.named_parameters() if "lora_" not in n
-                ]
-            finally:
-                model.unmerge_adapter()
+        if hasattr(model, "peft_config"):
+            return merged_lora_weights(model)
         return [(n, p.detach()) for n, p in model.named_parameters()]
 
     def _end_of_step(self, step_s: float) -> None:

@@ -149,6 +149,36 @@ def check_against_manifest(weights: NamedTensors, manifest: dict[str, tuple[int,
         raise WeightSyncError(f"refusing to send weights that do not match the served model: {shown}")
 
 
+def merged_lora_weights(model: torch.nn.Module) -> NamedTensors:
+    """A PEFT LoRA model's weights with its active adapters merged in, by the base checkpoint's names.
+
+    Computed out of place (base + the adapter's delta): ``merge_adapter`` then ``unmerge_adapter``
+    would add and subtract the delta in the model's own weights, and the rounding would drift the
+    frozen base a little at every sync.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, LoraLayer) or module.merged:
+                continue
+            adapters = [a for a in module.active_adapters if a in module.scaling]
+            if any(module.use_dora.get(a, False) for a in adapters):
+                raise WeightSyncError(f"{name}: DoRA adapters are not supported by the merged-weight sync")
+            if adapters:
+                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+        out: NamedTensors = []
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                continue
+            weight = param.detach()
+            if name in deltas:
+                weight = weight + deltas[name].to(weight.dtype)
+            out.append((name.replace("base_model.model.", "", 1).replace(".base_layer", ""), weight))
+    return out
+
+
 class WeightSender(Protocol):
     """A backend that moves tensors into the server between start and finish."""
 
