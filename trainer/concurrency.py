@@ -11,6 +11,11 @@
    shrinks it by 30 % above 80 % (running requests continue, new ones wait). Without ``/metrics``
    the cap is ``max_concurrent_rollouts``.
 3. ``max_concurrent_rollouts`` is the hard ceiling of the cap.
+
+A group starts only when the cap has room for another rollout beyond those already promised to
+started groups (:meth:`AdaptiveCap.wait_for_room` / :meth:`AdaptiveCap.reserve`): without that, a
+generous allowance would start groups far faster than slots free up, and hundreds of waiting
+rollouts would be stamped with an old policy version and woken on every release.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class AdaptiveCap:
         start = kv_cache_tokens // max(max_model_len, 1) if kv_cache_tokens else ceiling
         self.cap = float(min(max(start, 1), ceiling))
         self.in_flight = 0
+        self.reserved = 0  # rollouts of started groups that have not taken a slot yet
         self.finished = 0
         self._finished_at_last_growth = 0
         self._changed = asyncio.Condition()
@@ -49,11 +55,22 @@ class AdaptiveCap:
         """The cap as a whole number of rollouts."""
         return max(1, int(self.cap))
 
-    async def acquire(self) -> None:
-        """Wait for a free slot and take it."""
+    def reserve(self, rollouts: int) -> None:
+        """Promise ``rollouts`` slots to a group that is starting (each taken by ``acquire(reserved=True)``)."""
+        self.reserved += rollouts
+
+    async def wait_for_room(self) -> None:
+        """Wait until a slot is free beyond those promised to started groups."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.in_flight + self.reserved < self.limit)
+
+    async def acquire(self, reserved: bool = False) -> None:
+        """Wait for a free slot and take it; ``reserved`` when the slot was promised by :meth:`reserve`."""
         async with self._changed:
             await self._changed.wait_for(lambda: self.in_flight < self.limit)
             self.in_flight += 1
+            if reserved:
+                self.reserved -= 1
 
     async def release(self) -> None:
         """Give a slot back (a rollout finished)."""

@@ -2,14 +2,16 @@
 
 Command (repository root, after ``make setup``)::
 
-    .venv/bin/python bench/pipeline/bench_pipeline.py [--concurrency 32] [--seconds 40] [--steps 8]
+    .venv/bin/python bench/pipeline/bench_pipeline.py [--concurrency 32] [--seconds 20] [--rounds 3] [--steps 8]
 
 Prints, measured in the same run against the same server:
 
-1. generated tokens/s of raw requests at ``--concurrency`` (our sampler client, no worker), and of
-   the rollout worker process (``AsyncRolloutLoop``: prompts rendered with the chat template,
-   groups of 8, scoring, queueing) at the same concurrency cap, with a consumer that drains the
-   queue instantly; the ratio is the worker's overhead (target >= 0.9x);
+1. generated tokens/s of raw requests at ``--concurrency`` (our sampler client, no worker, the
+   same prompts), and of the rollout worker process (``AsyncRolloutLoop``: prompts rendered with
+   the chat template, groups of 8, scoring, queueing) at the same concurrency cap, with a consumer
+   that drains the queue instantly; the ratio is the worker's overhead (target >= 0.9x). The two
+   alternate for ``--rounds`` windows of ``--seconds`` each, so a change in the machine's load
+   hits both; the medians are compared;
 2. the trainer's idle fraction, sum(``perf/rollout_wait_s``) / sum(``perf/step_s``), over the same
    number of steps with ``max_staleness=4`` and with ``max_staleness=0``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -45,18 +48,20 @@ def prompts(n: int = 256) -> Dataset:
                                          for i in range(n)]})
 
 
-async def raw_tokens_per_s(base_url: str, prompt_ids: list[int], concurrency: int, seconds: float) -> float:
-    """Closed loop of ``concurrency`` clients sending completions for ``seconds``."""
+async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurrency: int, seconds: float) -> float:
+    """Closed loop of ``concurrency`` clients sending completions of the given prompts for ``seconds``."""
     params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=8)
     tokens = 0
+    sent = 0
     deadline = time.monotonic() + seconds
     async with SamplerClient(base_url, max_connections=concurrency) as client:
         await client.limits()
 
         async def loop() -> None:
-            nonlocal tokens
+            nonlocal tokens, sent
             while time.monotonic() < deadline:
-                turn = await client.complete(prompt_ids, params)
+                sent += 1
+                turn = await client.complete(prompt_ids[sent // 8 % len(prompt_ids)], params)
                 tokens += len(turn.output_ids)
 
         t0 = time.monotonic()
@@ -105,8 +110,9 @@ def main() -> None:
     """Measure and print."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=40.0)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="training steps per idle run; 0 skips that part")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -116,17 +122,24 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         with VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024)) as server:
-            prompt_ids = render_prompt_ids(tokenizer, prompts(1)[0]["prompt"])
-            raw = asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency, args.seconds))
+            prompt_ids = [render_prompt_ids(tokenizer, row["prompt"]) for row in prompts(9)]
             config = AsyncGRPOConfig(
                 output_dir=str(Path(tmp) / "w"), vllm_server_base_url=server.base_url, num_generations=8,
                 max_completion_length=MAX_TOKENS, max_concurrent_rollouts=args.concurrency, report_to="none",
                 use_cpu=True)
-            via_worker = worker_tokens_per_s(config, model_dir, tokenizer, args.seconds)
-            idle4, step4 = idle_fraction(server, model_dir, str(Path(tmp) / "s4"), args.steps, 4)
-            idle0, step0 = idle_fraction(server, model_dir, str(Path(tmp) / "s0"), args.steps, 0)
-    print(f"generated tokens/s @ {args.concurrency}: raw {raw:,.0f}, through the rollout worker {via_worker:,.0f} "
-          f"({via_worker / raw:.2f}x)")
+            raws, workers = [], []
+            for i in range(args.rounds):
+                raws.append(asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency, args.seconds)))
+                workers.append(worker_tokens_per_s(config, model_dir, tokenizer, args.seconds))
+                print(f"round {i + 1}: raw {raws[-1]:,.0f} tok/s, worker {workers[-1]:,.0f} tok/s", flush=True)
+            raw, via_worker = statistics.median(raws), statistics.median(workers)
+            if args.steps:
+                idle4, step4 = idle_fraction(server, model_dir, str(Path(tmp) / "s4"), args.steps, 4)
+                idle0, step0 = idle_fraction(server, model_dir, str(Path(tmp) / "s0"), args.steps, 0)
+    print(f"generated tokens/s @ {args.concurrency} (median of {args.rounds}): raw {raw:,.0f}, through the rollout "
+          f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x)")
+    if not args.steps:
+        return
     print(f"trainer idle fraction over {args.steps - 1} steps: max_staleness=4 {idle4:.1%} ({step4:.1f} s/step), "
           f"max_staleness=0 {idle0:.1%} ({step0:.1f} s/step)")
 

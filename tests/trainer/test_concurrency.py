@@ -289,3 +289,27 @@ def test_allowance_loop_keeps_queue_within_allowance():
             allowance.finished(tokens_queued=100, tokens_generated_total=100)
         consumed += 400  # the trainer takes 4 groups a step
         consumed = min(consumed, allowance.produced)
+
+
+def test_room_counts_slots_promised_to_started_groups():
+    async def scenario():
+        cap = AdaptiveCap(4, None, 1000)
+        await asyncio.wait_for(cap.wait_for_room(), 5)
+        cap.reserve(3)                          # a group of 3 started; none has a slot yet
+        await asyncio.wait_for(cap.wait_for_room(), 5)  # 3 promised < 4
+        cap.reserve(3)                          # a second group: 6 promised
+        assert await blocked(cap.wait_for_room())
+        for _ in range(4):                      # four of them get a slot
+            await asyncio.wait_for(cap.acquire(reserved=True), 5)
+        assert cap.in_flight == 4 and cap.reserved == 2
+        room = asyncio.create_task(cap.wait_for_room())
+        for _ in range(2):                      # the last two take the slots two finished rollouts free
+            await cap.release()
+            await asyncio.wait_for(cap.acquire(reserved=True), 5)
+        await asyncio.sleep(0.01)
+        assert not room.done(), "room reported while every slot is taken"
+        await cap.release()
+        await asyncio.wait_for(room, 5)
+        assert cap.in_flight == 3 and cap.reserved == 0
+
+    asyncio.run(scenario())
