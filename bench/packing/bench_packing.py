@@ -292,6 +292,7 @@ def head(device: str, repeats: int, tokens: int = 9600, chunk_size: int = 512) -
         hidden.grad = lm_head.weight.grad = None
         lines.append(f"| {name} | {tokens} | {best * 1e3:.1f} | {best * 1e6 / tokens:.2f} |")
         print(lines[-1], flush=True)
+    print("fused head kernels:\n" + "\n".join(kernel_table(fused, device, top=15)), flush=True)
     return lines
 
 
@@ -345,24 +346,29 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
     return lines
 
 
-def profile(spec: dict, shape: Shape, budget: int, device: str) -> list[str]:
-    """The CUDA kernels of one fused tree-packed step (the first row of ``shape``), by total time."""
-    model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
-    row = plan(grpo_samples(shape, spec["vocab_size"]), budget, share=True)[0].to(device)
-    train_step(model, row)  # compile
+def kernel_table(step: Callable[[], None], device: str, top: int = 25) -> list[str]:
+    """Table rows of the kernels (CPU ops off CUDA) of one call of ``step``, by total time."""
     activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
-        step_s = sync_time(lambda: train_step(model, row), device)
+        step_s = sync_time(step, device)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] or list(
         prof.key_averages()
     )
-    events.sort(key=lambda e: e.self_device_time_total if device == "cuda" else e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_device_time_total if device == "cuda" else e.self_cpu_time_total for e in events)
-    lines = [f"| (step {step_s * 1e3:.0f} ms, {row.num_unique_tokens} tokens, {row.num_trained} trained) | | | |"]
-    for e in events[:25]:
-        us = e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
-        lines.append(f"| {e.key[:90]} | {e.count} | {us / 1e3:.1f} | {100 * us / total:.1f} |")
+    times = [(e.self_device_time_total if device == "cuda" else e.self_cpu_time_total, e) for e in events]
+    times.sort(key=lambda t: t[0], reverse=True)
+    total = sum(us for us, _ in times)
+    lines = [f"| (wall {step_s * 1e3:.1f} ms, kernels {total / 1e3:.1f} ms) | | | |"]
+    lines += [f"| {e.key[:90]} | {e.count} | {us / 1e3:.1f} | {100 * us / total:.1f} |" for us, e in times[:top]]
     return lines
+
+
+def profile(spec: dict, shape: Shape, budget: int, device: str) -> list[str]:
+    """The kernels of one fused tree-packed step (the first row of ``shape``), by total time."""
+    model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
+    row = plan(grpo_samples(shape, spec["vocab_size"]), budget, share=True)[0].to(device)
+    train_step(model, row)  # compile
+    print(f"profile: {row.num_unique_tokens} tokens, {row.num_trained} trained", flush=True)
+    return kernel_table(lambda: train_step(model, row), device)
 
 
 def main() -> None:
