@@ -294,6 +294,7 @@ class AsyncGRPOTrainer(Trainer):
         if world > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
+                self.feed.wait_ready()
                 return self.feed
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         max_model_len, kv_tokens = self._server_limits(admin) if self.is_world_process_zero() else (0, None)
@@ -326,6 +327,8 @@ class AsyncGRPOTrainer(Trainer):
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
                                        start_position=start, stop_position=stop, keep_samples=args.log_completions)
         self.stream.policy_version = version
+        if self.feed is not None:
+            self.feed.mark_ready()
         return self.stream
 
     def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:

@@ -7,7 +7,9 @@ the policy version to the other ranks, each of which forwards its own row. The d
 gloo group (CPU tensors, whatever backend trains), started only once rank 0 has announced it in the
 ``torch.distributed`` store, so a peer waits for a slow rollout without any collective timing out.
 
-Failure handling, so that no rank is left behind:
+Peers wait for rank 0 twice: once at start, until its rollout worker runs (:meth:`StepFeed.wait_ready`,
+before the training loop's first collective), then before each step. Failure handling, so that no
+rank is left behind:
 
 * rank 0 raising (a rollout worker failure, a weight sync error...) puts the exception in the
   store; a waiting peer re-raises it;
@@ -97,6 +99,7 @@ class StepFeed:
         self._thread: threading.Thread | None = None
         if self.rank == 0:
             self._store.delete_key(f"{_KEY}/error")
+            self._store.set(f"{_KEY}/ready", "0")
             self._store.set(f"{_KEY}/seq", "0")
             self._store.set(f"{_KEY}/beat", "0")
             self._thread = threading.Thread(target=self._beat, args=(self._store.clone(),),
@@ -112,6 +115,10 @@ class StepFeed:
                 return
 
     # ------------------------------------------------------------------------------ rank 0
+    def mark_ready(self) -> None:
+        """Rank 0: the rollout worker runs; peers waiting in :meth:`wait_ready` go on."""
+        self._store.set(f"{_KEY}/ready", "1")
+
     def send(self, payload: StepPayload) -> None:
         """Rank 0: announce the next payload, then broadcast it to every rank."""
         data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
@@ -145,22 +152,29 @@ class StepFeed:
             self._pending = list(self.last.micro_batches)
         return self._pending.pop(0)
 
+    def wait_ready(self) -> None:
+        """A peer: wait until rank 0 started its rollout worker (or failed to), before any
+        collective of the training loop (a failure at start then reaches the peers at once)."""
+        self._wait_for("ready", 1)
+
     def receive(self) -> StepPayload:
         """A peer: wait for rank 0's next payload (or its failure) and return it."""
         self._received += 1
-        self._wait_for(self._received)
+        self._wait_for("seq", self._received)
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self._group)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self._group)
         return pickle.loads(data.numpy().tobytes())
 
-    def _wait_for(self, seq: int) -> None:
+    def _wait_for(self, key: str, value: int) -> None:
+        """Poll until the store's ``key`` reaches ``value``, re-raising rank 0's error, and raising
+        :class:`RankZeroLostError` when its heartbeat freezes or the store goes away."""
         last_beat, last_change = -1, time.monotonic()
         while True:
             try:
                 error = self._store.get(f"{_KEY}/error") if self._store.check([f"{_KEY}/error"]) else None
-                ready = int(self._store.get(f"{_KEY}/seq")) >= seq
+                reached = int(self._store.get(f"{_KEY}/{key}")) >= value
                 beat = self._store.add(f"{_KEY}/beat", 0)
             except Exception as exc:
                 raise RankZeroLostError(f"rank {self.rank} lost rank 0 while waiting for step data: the "
@@ -169,7 +183,7 @@ class StepFeed:
                 raised = pickle.loads(error)
                 raised.add_note(f"(raised on rank 0; rank {self.rank} stops with it)")
                 raise raised
-            if ready:
+            if reached:
                 return
             now = time.monotonic()
             if beat != last_beat:

@@ -238,3 +238,22 @@ def test_torchrun_two_ranks_train_together(vllm_server: VLLMServer, tiny_model_d
     assert ranks[1]["worker_pid"] is None and ranks[0]["worker_pid"] is not None
     with pytest.raises(ProcessLookupError):
         os.kill(ranks[0]["worker_pid"], 0)
+
+
+def _train_without_server(rank: int, world: int, model_dir: str, out: str, url: str) -> dict[str, Any]:
+    from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=out, use_cpu=True, report_to="none", disable_tqdm=True, save_strategy="no",
+                           max_steps=2, vllm_server_base_url=url, vllm_server_timeout=2, rollout_worker_timeout=60)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
+    AsyncGRPOTrainer(model=model_dir, args=args, train_dataset=data, reward_funcs=lambda_free_reward).train()
+    return {}
+
+
+def test_failure_at_start_reaches_every_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    reports = _spawn(_train_without_server, 2, str(tiny_model_dir), str(tmp_path), url)
+    for report in reports:
+        assert report.get("error_type") == "VLLMServerError", report
+        assert "could not reach the vLLM server" in report["error"]
+    assert "raised on rank 0" in reports[1]["traceback"]
