@@ -388,8 +388,11 @@ class AsyncGRPOTrainer(Trainer):
         return loss.detach()
 
     def floating_point_ops(self, inputs: Any) -> int:
-        """6 x parameters x forwarded tokens (forward + backward of the dense layers)."""
-        tokens = inputs.forwarded_tokens if isinstance(inputs, MicroBatch) else 0
+        """6 x parameters x this process's forwarded tokens (forward + backward of the dense layers;
+        the Trainer sums ``total_flos`` over processes)."""
+        if not isinstance(inputs, MicroBatch):
+            return 0
+        tokens = inputs.row_for(self.accelerator.process_index).num_unique_tokens
         return 6 * self._num_params * tokens
 
     def _sync_weights(self, version: int, barrier: bool = True) -> None:
