@@ -3,6 +3,7 @@
     .venv/bin/python bench/envserver/run.py                      # full run, prints the table
     .venv/bin/python bench/envserver/run.py --with-inline        # adds toolgym with --inline-sync
     .venv/bin/python bench/envserver/run.py --duration 3 --sessions 16,256 --skip-openenv
+    .venv/bin/python bench/envserver/run.py --baseline ../old   # adds the server of another checkout
 
 Both servers run as one process with one uvicorn worker, pinned to CPU 0 when ``taskset`` exists;
 the load generator (``load.py``, the same client for both) runs in its own process on CPU 1, and
@@ -11,6 +12,8 @@ only against 127.0.0.1. OpenEnv is installed on first use into its own venv unde
 calls/s and call latency p50/p99 with 16, 256 and 1,024 sessions calling in a closed loop; the p50
 time to open a session (connect to first reset reply) with 1,024 opening at once; churn sessions/s
 (open, reset, one call, close; 32 workers); and sessions still alive after all that (worst round).
+``--baseline PATH`` adds the toolgym server of another checkout as one more column (a before/after
+with the same client in the same run).
 The servers take turns over ``--repeat`` rounds and the table shows each figure's median, since a
 shared machine's load moves the figures between runs.
 """
@@ -64,20 +67,28 @@ def ensure_openenv() -> Path:
 
 
 class Server:
-    """A server subprocess; ``live()`` counts its sessions (toolgym) or live environments (OpenEnv)."""
+    """A server subprocess; ``live()`` counts its sessions (toolgym) or live environments (OpenEnv).
 
-    def __init__(self, kind: str) -> None:
+    Kinds: ``toolgym``, ``toolgym-inline`` (``--inline-sync``), ``toolgym@baseline`` (the toolgym
+    server of the checkout at ``baseline``) and ``openenv``.
+    """
+
+    def __init__(self, kind: str, baseline: Path | None = None) -> None:
         self.kind = kind
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        cwd = ROOT
         if kind.startswith("toolgym"):
             command = [sys.executable, "-m", "envserver.cli", "counter", "--port", str(self.port),
                        "--max-sessions", "4096", "--log-level", "warning"]
             if kind == "toolgym-inline":
                 command.append("--inline-sync")
+            if kind == "toolgym@baseline":
+                assert baseline is not None
+                cwd = baseline  # `python -m` imports envserver from the working directory first
         else:
             command = [str(ensure_openenv()), str(HERE / "openenv_counter.py"), "--port", str(self.port)]
-        self.process = subprocess.Popen(_pinned(0, command), cwd=ROOT)
+        self.process = subprocess.Popen(_pinned(0, command), cwd=cwd)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -113,9 +124,10 @@ def load(mode: str, kind: str, url: str, count: int, duration: float) -> dict[st
     return json.loads(output.strip().splitlines()[-1])
 
 
-def measure(kind: str, sessions: list[int], duration: float, churn_workers: int) -> dict[str, Any]:
+def measure(kind: str, sessions: list[int], duration: float, churn_workers: int,
+            baseline: Path | None = None) -> dict[str, Any]:
     """Every figure for one server kind."""
-    server = Server(kind)
+    server = Server(kind, baseline)
     try:
         results: dict[str, Any] = {"calls": {}}
         for count in sessions:
@@ -172,16 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-openenv", action="store_true", help="measure the toolgym server only")
     parser.add_argument("--with-inline", action="store_true",
                         help="also measure the toolgym server with --inline-sync (sync methods on the loop)")
+    parser.add_argument("--baseline", type=Path,
+                        help="also measure the toolgym server of this checkout (e.g. a git worktree of an "
+                             "older commit), as toolgym@baseline")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
     sessions = [int(s) for s in args.sessions.split(",")]
-    kinds = ["toolgym"] + (["toolgym-inline"] if args.with_inline else []) + ([] if args.skip_openenv else ["openenv"])
+    if args.baseline is not None and not (args.baseline / "envserver" / "cli.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no envserver/cli.py there; pass a checkout of this repository")
+    kinds = (["toolgym"] + (["toolgym-inline"] if args.with_inline else [])
+             + (["toolgym@baseline"] if args.baseline else []) + ([] if args.skip_openenv else ["openenv"]))
     rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     print(f"load average before: {os.getloadavg()}", flush=True)
     for round_index in range(args.repeat):
         print(f"round {round_index + 1}/{args.repeat}", flush=True)
         for kind in kinds:
-            rounds[kind].append(measure(kind, sessions, args.duration, args.churn_workers))
+            rounds[kind].append(measure(kind, sessions, args.duration, args.churn_workers, args.baseline))
     print(f"load average after: {os.getloadavg()}", flush=True)
     results = {kind: median_of(runs) for kind, runs in rounds.items()}
     results_live = {kind: max(run["live"] for run in runs) for kind, runs in rounds.items()}
