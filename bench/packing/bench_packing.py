@@ -249,7 +249,8 @@ def throughput(spec: dict, shapes: list[Shape], budget: int, device: str, repeat
                       f"{forwarded} forwarded, best {best:.3f}s of {[round(t, 3) for t in times[share]]}", flush=True)
             (plain_tps, plain_fps, plain_flops), (tree_tps, tree_fps, tree_flops) = result[False], result[True]
             lines.append(
-                f"| {shape.name} | {'fused' if fused else 'unfused'} | {ratio:.2f} | {m['batch/samples_per_row']:.1f} | "
+                f"| {shape.name} | {'fused' if fused else 'unfused'} | {ratio:.2f} | "
+                f"{m['batch/samples_per_row']:.1f} | "
                 f"{len(rows[False])} / {len(rows[True])} | {plain_tps:,.0f} | {tree_tps:,.0f} | "
                 f"{tree_tps / plain_tps:.2f}x | {tree_tps / plain_tps / ratio:.2f} | {plain_flops / tree_flops:.2f}x | "
                 f"{plain_fps:,.0f} / {tree_fps:,.0f} |"
@@ -397,7 +398,7 @@ def main() -> None:
                 tables.append(
                     "| shape | loss | packing ratio | samples/row | rows plain / tree | plain trained tok/s "
                     "| tree trained tok/s | speedup | speedup / ratio | FLOP-model speedup "
-                    "| forwarded tok/s plain / tree |\n|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                    "| forwarded tok/s plain / tree |\n" + "|---" * 11 + "|\n" + "\n".join(rows)
                 )
             elif name == "head":
                 rows = head(device, args.repeats)

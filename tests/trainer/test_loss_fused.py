@@ -1,4 +1,7 @@
-"""The fused head loss (gradient formed in the forward) equals log-probs + ``grpo_loss``: value, statistics, gradients."""
+"""The fused head loss (gradient formed in the forward) equals log-probs + ``grpo_loss``.
+
+Same loss value, statistics and gradients of every parameter, in both loss modes.
+"""
 
 from __future__ import annotations
 
