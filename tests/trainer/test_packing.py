@@ -66,6 +66,17 @@ def test_top_logprobs_and_candidate_sets_are_padded_per_token() -> None:
     assert build_row(two_rollouts()).candidate_ids is None
 
 
+def test_select_trained_slices_every_per_token_column() -> None:
+    row = build_row(two_rollouts())  # trained: A1 A2 | B1 B2
+    part = row.select_trained(slice(1, 3))
+    assert part.target_ids.tolist() == [A2, B1] and part.num_trained == 2
+    assert part.pred_index.tolist() == row.pred_index[1:3].tolist()  # still row positions
+    assert part.advantages.tolist() == [1.0, -1.0] and part.token_sample.tolist() == [0, 1]
+    assert part.sampler_logprobs.tolist() == row.sampler_logprobs[1:3].tolist()
+    assert part.sampler_topk_ids.shape == (2, 0) and part.candidate_ids is None
+    assert torch.equal(part.input_ids, row.input_ids) and part.sample_group_ids == row.sample_group_ids
+
+
 def test_empty_row_and_device_move() -> None:
     row = PackedRow.empty(pad_token_id=7)
     assert row.input_ids.tolist() == [7] and row.num_trained == 0 and row.num_samples == 0
