@@ -43,3 +43,28 @@ def restore_served_weights(vllm_server: VLLMServer, tiny_model_dir: Path) -> Ite
     yield sync
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     sync.sync(original.named_parameters(), version=0)
+
+
+@pytest.fixture(scope="session")
+def warm_counter_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model warm-started on counter transcripts exactly as ``make demo`` builds it (seed 0).
+
+    Built once per session (about two minutes of one CPU thread); the end-to-end tests and the
+    ``bench/e2e`` scripts measure this same model.
+    """
+    from trainer.demo import warm_model
+
+    return warm_model(tmp_path_factory.mktemp("warm-counter"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def warm_arithmetic_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny model after a short warm start on the arithmetic task (answers in ``\\boxed{}``)."""
+    import shutil
+
+    from trainer.warm_start import WarmStartConfig, warm_start
+
+    target = tmp_path_factory.mktemp("warm-arithmetic") / "model"
+    shutil.copytree(tiny_model_dir, target)
+    warm_start(target, WarmStartConfig(task="arithmetic", steps_per_task=150))
+    return target

@@ -59,13 +59,14 @@ def run_schedule(name: str, staleness: int, model_dir: Path, base_url: str, fact
     from transformers.trainer_callback import PrinterCallback
 
     from trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from trainer.reporting import ProgressCallback
 
     serve_policy(base_url, model_dir)
     config = counter_config(Path(args.output_dir) / name, base_url, args.steps, args.seed, max_staleness=staleness)
     snapshots = Snapshots(args.every)
     trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
                                processing_class=AutoTokenizer.from_pretrained(model_dir),
-                               environment_factory=factory, callbacks=[snapshots])
+                               environment_factory=factory, callbacks=[snapshots, ProgressCallback()])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     rewards = {int(h["step"]): h["reward"] for h in trainer.state.log_history if "reward" in h and "loss" in h}

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=TEST_STEPS)
     parser.add_argument("--episodes-per-target", type=int, default=TEST_EPISODES_PER_TARGET)
+    parser.add_argument("--learning-rate", type=float, help="default: the demo's (trainer.demo.counter_config)")
     parser.add_argument("--cache", default=".cache")
     parser.add_argument("--output-dir", default="outputs/learning-sweep")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -48,7 +49,9 @@ def main() -> None:
         factory = remote_factory(env_url, "IncrementEnv")
         for seed in args.seeds:
             serve_policy(server.base_url, model_dir)
-            config = counter_config(Path(args.output_dir) / f"seed{seed}", server.base_url, args.steps, seed)
+            overrides = {} if args.learning_rate is None else {"learning_rate": args.learning_rate}
+            config = counter_config(Path(args.output_dir) / f"seed{seed}", server.base_url, args.steps, seed,
+                                    **overrides)
             t0 = time.monotonic()
             run = learning_run(model_dir, factory, config, episodes_per_target=args.episodes_per_target)
             row = {"seed": seed, "before": run.before.success_rate, "after": run.after.success_rate,
