@@ -30,7 +30,7 @@ def test_completions_are_printed_and_sent_to_tensorboard(
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), vllm_server_base_url=vllm_server.base_url, max_steps=2,
         num_generations=4, max_completion_length=16, report_to=["tensorboard"],
-        use_cpu=True, gradient_checkpointing=False, save_strategy="no", rollout_worker_timeout=60,
+        use_cpu=True, gradient_checkpointing=False, save_strategy="no", rollout_worker_timeout=300,
         vllm_server_timeout=60, disable_tqdm=True, log_completions=True, num_completions_to_print=2,
     )
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Spell the word zebra{i}."}]
