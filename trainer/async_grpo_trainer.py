@@ -213,7 +213,6 @@ class AsyncGRPOTrainer(Trainer):
         self.worker: RolloutWorker | None = None
         self.stream: MicroBatchStream | None = None  # type: ignore[assignment]
         self.feed: StepFeed | None = None  # multi-process: rank 0 -> other ranks
-        self._feed_buffer: list[MicroBatch] = []
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
@@ -297,7 +296,7 @@ class AsyncGRPOTrainer(Trainer):
                 self.feed.wait_ready()
                 return self.feed
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-        max_model_len, kv_tokens = self._server_limits(admin) if self.is_world_process_zero() else (0, None)
+        max_model_len, kv_tokens = self._server_limits(admin)
         token_budget = args.token_budget or max_model_len
         if args.top_k > 0 or args.top_p < 1:
             logger.warning(
@@ -307,10 +306,9 @@ class AsyncGRPOTrainer(Trainer):
         ctx = spawn_context()
         allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
         channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
-        if self.is_world_process_zero():
-            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
-            if version > 0:  # resumed: the server still has the initial weights
-                self._sync_weights(version, barrier=False)  # the other ranks have no weights to wait for
+        self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
+        if version > 0:  # resumed: the server still has the initial weights
+            self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
         tokenizer = self.processing_class
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         loop_kwargs = dict(
