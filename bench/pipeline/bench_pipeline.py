@@ -2,16 +2,18 @@
 
 Command (repository root, after ``make setup``)::
 
-    .venv/bin/python bench/pipeline/bench_pipeline.py [--concurrency 32] [--seconds 20] [--rounds 3] [--steps 8]
+    .venv/bin/python bench/pipeline/bench_pipeline.py [--concurrency 32] [--seconds 20] [--warmup 10] [--rounds 3] [--steps 8]
 
 Prints, measured in the same run against the same server:
 
 1. generated tokens/s of raw requests at ``--concurrency`` (our sampler client, no worker, the
    same prompts), and of the rollout worker process (``AsyncRolloutLoop``: prompts rendered with
    the chat template, groups of 8, scoring, queueing) at the same concurrency cap, with a consumer
-   that drains the queue instantly; the ratio is the worker's overhead (target >= 0.9x). The two
-   alternate for ``--rounds`` windows of ``--seconds`` each, so a change in the machine's load
-   hits both; the medians are compared;
+   that drains the queue instantly; the ratio is the worker's overhead (target >= 0.9x). Both
+   count the tokens of completions that finish inside a steady-state window of ``--seconds``
+   after ``--warmup`` seconds of ramp-up (for the worker, counted from its first group: the first
+   group runs alone). The two alternate for ``--rounds`` windows, so a change in the machine's
+   load hits both; the medians are compared;
 2. the trainer's idle fraction, sum(``perf/rollout_wait_s``) / sum(``perf/step_s``), over the same
    number of steps with ``max_staleness=4`` and with ``max_staleness=0``.
 """
@@ -48,29 +50,35 @@ def prompts(n: int = 256) -> Dataset:
                                          for i in range(n)]})
 
 
-async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurrency: int, seconds: float) -> float:
-    """Closed loop of ``concurrency`` clients sending completions of the given prompts for ``seconds``."""
+async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurrency: int, warmup: float,
+                           seconds: float) -> float:
+    """Closed loop of ``concurrency`` clients; completion tokens finished per second in the window
+    ``[warmup, warmup + seconds]`` after the start (requests in flight at its end still finish)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=8)
     tokens = 0
     sent = 0
-    deadline = time.monotonic() + seconds
     async with SamplerClient(base_url, max_connections=concurrency) as client:
         await client.limits()
+        start = time.monotonic()
+        window = (start + warmup, start + warmup + seconds)
 
         async def loop() -> None:
             nonlocal tokens, sent
-            while time.monotonic() < deadline:
+            while time.monotonic() < window[1]:
                 sent += 1
                 turn = await client.complete(prompt_ids[sent // 8 % len(prompt_ids)], params)
-                tokens += len(turn.output_ids)
+                if window[0] <= time.monotonic() <= window[1]:
+                    tokens += len(turn.output_ids)
 
-        t0 = time.monotonic()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
-        return tokens / (time.monotonic() - t0)
+        return tokens / seconds
 
 
-def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any, seconds: float) -> float:
-    """Run the real worker process with an instant consumer; completion tokens queued per second."""
+def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any, warmup: float,
+                        seconds: float) -> float:
+    """Run the real worker process with an instant consumer; completion tokens queued per second in
+    the window ``[warmup, warmup + seconds]`` after its first group arrived (the first group runs
+    alone: the worker knows no group size before it, SPEC §2)."""
     ctx = spawn_context()
     channels = WorkerChannels.create(ctx, initial_allowance=10**12, initial_version=0)
     kwargs = dict(config=config, model_name=str(model_dir), dataset=prompts(), reward_funcs=[spread_reward],
@@ -81,13 +89,12 @@ def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any
     try:
         first = worker.get(timeout_s=120)  # wait for the worker to be up and producing
         assert first is not None
-        tokens, t0 = 0, time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            group = worker.get(timeout_s=1.0)
-            if group is not None:
-                trained = [s.sequence.num_trained for s in group.samples]
-                tokens += sum(trained)
-        return tokens / (time.monotonic() - t0)
+        tokens, start = 0, time.monotonic()
+        while time.monotonic() < start + warmup + seconds:
+            group = worker.get(timeout_s=0.2)
+            if group is not None and time.monotonic() >= start + warmup:
+                tokens += sum(s.sequence.num_trained for s in group.samples)
+        return tokens / seconds
     finally:
         worker.stop()
 
@@ -112,6 +119,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before each window (ramp-up)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per idle run; 0 skips that part")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -129,8 +137,9 @@ def main() -> None:
                 use_cpu=True)
             raws, workers = [], []
             for i in range(args.rounds):
-                raws.append(asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency, args.seconds)))
-                workers.append(worker_tokens_per_s(config, model_dir, tokenizer, args.seconds))
+                raws.append(asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency, args.warmup,
+                                                         args.seconds)))
+                workers.append(worker_tokens_per_s(config, model_dir, tokenizer, args.warmup, args.seconds))
                 print(f"round {i + 1}: raw {raws[-1]:,.0f} tok/s, worker {workers[-1]:,.0f} tok/s", flush=True)
             raw, via_worker = statistics.median(raws), statistics.median(workers)
             if args.steps:
