@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/trainer/multiprocess_run.py MODEL_DIR SERVER_URL OUT_DIR
 
-Each rank trains a few steps on CPU (gloo) against the given vLLM server, then writes
+Each rank trains 2 steps on CPU (gloo) against the given vLLM server, then writes
 ``OUT_DIR/rank<r>.json`` (the rows it forwarded, the policy version, the rollout worker's pid) and
 ``OUT_DIR/rank<r>.pt`` (its final parameters), which the test compares.
 """
@@ -42,11 +42,11 @@ class RecordingTrainer(AsyncGRPOTrainer):
 
 
 def main(model_dir: str, server_url: str, out_dir: str) -> None:
-    """Train 3 steps and write this rank's record."""
+    """Train 2 steps and write this rank's record."""
     out = Path(out_dir)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(16)]})
     args = AsyncGRPOConfig(
-        output_dir=str(out / "run"), vllm_server_base_url=server_url, max_steps=3, num_generations=4,
+        output_dir=str(out / "run"), vllm_server_base_url=server_url, max_steps=2, num_generations=4,
         max_completion_length=16, learning_rate=1e-3, report_to="none", use_cpu=True, save_strategy="no",
         logging_steps=1, rollout_worker_timeout=120, vllm_server_timeout=120, disable_tqdm=True,
         gradient_accumulation_steps=2,
