@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sdk import remote_factory
 from trainer.demo import counter_config, learning_run, serve_policy, warm_model
+from trainer.reporting import ProgressCallback
 from trainer.train_cli import serve_environment
 from trainer.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -53,7 +54,8 @@ def main() -> None:
             config = counter_config(Path(args.output_dir) / f"seed{seed}", server.base_url, args.steps, seed,
                                     **overrides)
             t0 = time.monotonic()
-            run = learning_run(model_dir, factory, config, episodes_per_target=args.episodes_per_target)
+            run = learning_run(model_dir, factory, config, episodes_per_target=args.episodes_per_target,
+                               callbacks=[ProgressCallback()])
             row = {"seed": seed, "before": run.before.success_rate, "after": run.after.success_rate,
                    "episodes": run.after.episodes, "train_s": round(run.train_s, 1),
                    "total_s": round(time.monotonic() - t0, 1)}
