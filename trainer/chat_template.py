@@ -5,6 +5,9 @@ completion, splits it into text and tool calls (:func:`parse_tool_calls`), appen
 message (:func:`build_assistant_message`) and one tool message per call, and renders again. Its
 samples stay one sequence only when the template is *prefix-preserving*: the tokens of a turn's
 prompt plus its completion must start the next turn's prompt (:func:`check_prefix_preserving`).
+Known families whose stock template is not get a training template (:mod:`trainer.training_templates`);
+the loop renders through :class:`trainer.prompt_render.ConversationRenderer`, which re-tokenizes
+only what a turn added.
 
 :data:`CHAT_TEMPLATE` is the Qwen-style template shipped with the tiny model (the same text layout as
 Qwen2.5/Qwen3 without reasoning blocks)::

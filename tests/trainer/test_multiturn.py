@@ -237,3 +237,36 @@ def test_every_rollout_failing_stops_the_run_with_a_clear_message(vllm_server: V
     with pytest.raises(RolloutWorkerError, match=r"every rollout is failing.*BrokenEnv.reset raised RuntimeError: "
                                                  r"the sandbox is down"):
         trainer.train()
+
+
+def test_training_template_keeps_a_reasoning_family_rollout_in_one_sample(
+        warm_server: VLLMServer, warm_model_dir: Path, tmp_path: Path) -> None:
+    # With enable_thinking=False a Qwen3-style stock template drops, on the next render, the empty
+    # reasoning block its generation prompt added: every turn forks. The training template that
+    # rollout_chat_template picks at start keeps the whole conversation in one sample.
+    from tests.trainer.test_chat_template_training import QWEN3_STYLE_STOCK
+    from trainer.chat_template import render_prompt_ids
+    from trainer.training_templates import rollout_chat_template
+
+    kw = {"enable_thinking": False}
+    outcomes = {}
+    for name in ("stock", "training"):
+        loop = _loop(warm_server, warm_model_dir, tmp_path, environment_factory=IncrementEnv)
+        loop.tokenizer.chat_template = QWEN3_STYLE_STOCK
+        loop.chat_template_kwargs = kw
+        schemas = [t.schema for t in environment_tools(IncrementEnv())]
+        if name == "training":
+            loop.chat_template = rollout_chat_template(loop.tokenizer, schemas, **kw)
+            assert loop.chat_template is not None
+        results = _rollouts(loop, [{"target": t} for t in (2, 3, 4, 5)])
+        rollout, _ = _pick_tool_rollout(results)
+        prompt = next(p for p, r, _ in results if r is rollout)
+        before_each_turn = [prompt + rollout.completion[:i] for i, m in enumerate(rollout.completion)
+                            if m["role"] == "assistant"]
+        for turn, messages in zip(rollout.turns, before_each_turn, strict=True):
+            # The incremental renderer gave exactly the ids of a full render.
+            assert turn.prompt_ids == render_prompt_ids(loop.tokenizer, messages, schemas, loop.chat_template, **kw)
+        outcomes[name] = reconcile_turns(rollout.turns)[1]
+    assert outcomes["stock"].forks == outcomes["stock"].transitions > 0
+    assert outcomes["training"].forks == 0 and outcomes["training"].transitions > 0
+
