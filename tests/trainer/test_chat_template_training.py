@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.chat_template import build_assistant_message, check_prefix_preserving, render_prompt_ids
 from trainer.training_templates import TRAINING_TEMPLATES, rollout_chat_template
 from trainer.warm_start import counter_tools
@@ -170,3 +172,27 @@ def test_unknown_rewriting_template_warns_and_is_kept(stock: PreTrainedTokenizer
     with caplog.at_level(logging.WARNING, logger="trainer.training_templates"):
         assert rollout_chat_template(other, counter_tools()) is None
     assert "not prefix-preserving" in caplog.text and "rollout/fork_frac" in caplog.text
+
+
+def increment(step: int) -> int:
+    """Add to the counter.
+
+    Args:
+        step: How much to add.
+    """
+    return step
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_thinking": False}])
+def test_trainer_chooses_the_rollout_template_at_start(stock: PreTrainedTokenizerBase, tiny_model_dir: Path,
+                                                       tmp_path: Path, kw: dict[str, Any],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1,
+                             chat_template_kwargs=kw)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "To 7."}]]})
+    with caplog.at_level(logging.INFO, logger="trainer.training_templates"):
+        trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), args=config, train_dataset=dataset,
+                                   processing_class=stock, tools=[increment])
+    assert trainer.rollout_chat_template == TRAINING_TEMPLATES[0].text, "passed to the rollout loop"
+    assert "training template" in caplog.text
+    assert trainer.processing_class.chat_template == QWEN3_STYLE_STOCK
