@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainer.demo import serve_policy
 from trainer.errors import ConfigError
 from trainer.reporting import PLOTTED, write_plots
 from trainer.train_cli import main, parse_args
 from trainer.vllm_server import VLLMServer
+from trainer.warm_start import arithmetic_prompt
 from trainer.weight_sync import WeightSynchronizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -90,9 +92,6 @@ def test_train_from_a_config_file_on_the_real_stack_writes_plots(
     vllm_server: VLLMServer, warm_arithmetic_model_dir: Path, restore_served_weights: WeightSynchronizer,
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from trainer.demo import serve_policy
-    from trainer.warm_start import arithmetic_prompt
-
     serve_policy(vllm_server.base_url, warm_arithmetic_model_dir)
     rows = [{"prompt": [{"role": "user", "content": arithmetic_prompt(a, b)}], "solution": str(a + b)}
             for a in range(6) for b in range(6)]
