@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline-sync", action="store_true",
                    help="run sync methods on the event loop (only for environments whose methods are all cheap)")
     p.add_argument("--inline-threshold", type=float, default=d.inline_threshold,
-                   help="sync methods that always finish faster than this (seconds) run on the event loop; "
-                        "0 keeps them all in the thread pool")
+                   help="sync methods that always finish faster than this (seconds, e.g. 0.001) run on the "
+                        "event loop; 0 (default) keeps them all in the thread pool")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p

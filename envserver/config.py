@@ -35,11 +35,13 @@ class ServerConfig:
             Saves a thread hand-off per request (less CPU per call for trivial environments)
             but a slow or blocking sync method then stalls every session and the call deadline
             cannot interrupt it: only for environments whose methods are all cheap. Off by default.
-        inline_threshold: Seconds under which a sync method counts as cheap. A method (or
-            constructor) whose recent runs in the pool all took less runs on the loop instead,
-            saving the thread hand-off; one inline run that takes longer sends it back to the pool
+        inline_threshold: Seconds under which a sync method counts as cheap; ``0`` (the default)
+            keeps every sync method in the pool. Above 0, a method (or constructor) whose recent
+            runs in the pool all took less runs on the loop instead, saving the thread hand-off;
+            one inline run that takes longer sends it back to the pool
             (``envserver.pool.InlinePolicy``). That one run stalls the loop and cannot be cut off
-            by ``call_timeout``; ``0`` turns inlining off and keeps every sync method in the pool.
+            by ``call_timeout``. Off by default: on the shared 2-core VM, inlined calls (like
+            ``inline_sync``) saw stalls of hundreds of ms under heavy load (``bench/envserver``).
         drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.
     """
 
@@ -55,7 +57,7 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     threads: int = 32
     inline_sync: bool = False
-    inline_threshold: float = 0.001
+    inline_threshold: float = 0.0
     drain_timeout: float = 10.0
 
     def __post_init__(self) -> None:
