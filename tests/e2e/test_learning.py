@@ -47,6 +47,7 @@ def counter_env_url() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.timeout(1800)  # the session's warm start (300 steps) runs in this test's setup when it comes first
 @pytest.mark.xfail(raises=AssertionError, strict=False, reason=(
     "open (issue 7): at the demo's settings the seed sweep measured gains of +4.2 and -6.9 points after "
     "20 steps, and the training reward falls after ~25 steps (bench/e2e/README.md); no margin holds yet"))
