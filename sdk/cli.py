@@ -13,7 +13,9 @@ Each subcommand lives in the package that owns it and is imported only when chos
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 
 # subcommand -> (module, function taking argv, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -23,6 +25,20 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.train_cli", "main", "run asynchronous GRPO training from a config"),
     "demo": ("trainer.demo", "main", "the main job: tiny model, vLLM, env server, training"),
 }
+
+
+# Commands that start child servers: SIGTERM must unwind their ``with`` blocks so the servers stop.
+# ``serve`` is left alone: uvicorn handles SIGTERM itself (graceful drain).
+_UNWIND_ON_SIGTERM = {"tiny-model", "vllm", "train", "demo"}
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit(143)`` so ``finally`` and ``with`` blocks run (child servers stop)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _usage() -> str:
@@ -42,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toolgym: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func_name, _ = _SUBCOMMANDS[name]
+    if name in _UNWIND_ON_SIGTERM:
+        exit_on_sigterm()
     func = getattr(importlib.import_module(module_name), func_name)
     result = func(rest)
     return int(result or 0)

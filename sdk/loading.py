@@ -9,7 +9,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import pkgutil
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +56,11 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 
 
 def _import_module(module_name: str) -> Any:
+    # A console script does not put the working directory on sys.path (``python -m`` does): add
+    # it, so ``toolgym serve my_envs:MyEnv`` finds a module next to where it is run, as uvicorn does.
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
