@@ -234,6 +234,7 @@ class AsyncRolloutLoop:
         """Generate until the trainer sets the stop event (or a failure raises)."""
         await self.setup()
         background: list[asyncio.Task[None]] = []
+        self._groups: set[asyncio.Task[None]] = set()
         try:
             await self.sampler.wait_ready(self.config.vllm_server_timeout)
             await self.sampler.limits()
@@ -257,6 +258,11 @@ class AsyncRolloutLoop:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            # Groups still in flight are abandoned (the trainer stopped): cancel them before their
+            # environments close under them, which would report every one as a failed rollout.
+            for task in self._groups:
+                task.cancel()
+            await asyncio.gather(*self._groups, return_exceptions=True)
             await self.envs.aclose()
             await self.sampler.close()
             await self.close()
@@ -325,7 +331,6 @@ class AsyncRolloutLoop:
 
     async def _produce(self) -> None:
         rejected_in_a_row = 0
-        groups: set[asyncio.Task[None]] = set()
         size = len(self.dataset) if self.dataset is not None else None
         for position, row_index, row, epoch in self._prompt_stream():
             if not self.filter_prompt(row_index, row, epoch):
@@ -347,9 +352,9 @@ class AsyncRolloutLoop:
             self.cap.reserve(self.config.num_generations)
             self.allowance.started()
             task = asyncio.create_task(self._run_group(position, row_index, row))
-            groups.add(task)
+            self._groups.add(task)
             task.add_done_callback(self._group_done)
-            task.add_done_callback(groups.discard)
+            task.add_done_callback(self._groups.discard)
             await asyncio.sleep(0)
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
