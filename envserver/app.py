@@ -56,7 +56,7 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.table = table
-    app.add_middleware(SessionSockets, table=table)
+    app.add_middleware(_SessionSockets, table=table)
     if config.token is not None:  # added last, so it runs first: in front of the session sockets too
         app.add_middleware(BearerAuth, token=config.token)
     description = {name: spec.describe() for name, spec in specs.items()}
@@ -77,7 +77,7 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     return app
 
 
-class SessionSockets:
+class _SessionSockets:
     """ASGI middleware that hands ``WS /v1/ws/{env}`` straight to a ``Connection``.
 
     Session sockets skip the router and the exception middlewares (a ``Connection`` turns every
