@@ -4,11 +4,13 @@ The shared session server is switched to a warm-started model through a real wei
 back afterwards by ``restore_served_weights``). The counter run is the experiment of ``make demo``
 and of ``bench/e2e/learning_sweep.py``, at the sweep's default settings. The margin is the issue's
 requirement; the sweep does not meet it reliably yet, so that test is marked xfail with the
-measured figures (see ``bench/e2e/README.md``) until the run learns.
+measured figures (see ``bench/e2e/README.md``) until the run learns; while it is, it runs only
+with ``TOOLGYM_LEARNING_TEST=1`` (it costs CI about ten minutes).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +49,8 @@ def counter_env_url() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.skipif(os.environ.get("TOOLGYM_LEARNING_TEST") != "1", reason=(
+    "opt-in (TOOLGYM_LEARNING_TEST=1): ~10 minutes of CI for a run that does not learn reliably yet"))
 @pytest.mark.timeout(1800)  # the session's warm start (300 steps) runs in this test's setup when it comes first
 @pytest.mark.xfail(raises=AssertionError, strict=False, reason=(
     "open (issue 7): at the demo's settings the seed sweep measured gains of +4.2 and -6.9 points after "
