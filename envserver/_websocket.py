@@ -1,0 +1,514 @@
+"""A lean RFC 6455 WebSocket protocol for uvicorn (``uvicorn.Config(ws=WebSocketProtocol)``).
+
+uvicorn's HTTP protocol parses the upgrade request and hands the connection over to this class,
+which does the handshake and the framing itself and speaks ASGI ``websocket`` events to the app,
+so the bearer-token middleware, the router and ``Connection`` see exactly what uvicorn's own
+WebSocket protocols give them. It exists for speed: with ``websockets`` (sans-I/O) behind uvicorn,
+the handshake, the frame objects and the ASGI glue were about half the server's CPU time per
+short session (``bench/envserver/README.md``).
+
+What it does (RFC 6455): the opening handshake (version 13; ``400`` for a malformed upgrade,
+``426`` for another version), text and binary messages, fragmented or not, client frames must be
+masked, control frames (close, ping, pong), the closing handshake, keep-alive pings
+(``ws_ping_interval``/``ws_ping_timeout``), messages above ``ws_max_size`` closed with 1009 before
+their payload is read, invalid UTF-8 closed with 1007, protocol errors with 1002. No extension
+(permessage-deflate) and no subprotocol are negotiated unless the app accepts one. ASGI extras:
+``websocket.http.response`` (an HTTP response instead of the handshake, as auth uses) and
+``websocket.close`` before ``accept`` (HTTP 403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import collections
+import hashlib
+import logging
+import random
+from typing import Any, Literal
+from urllib.parse import unquote
+
+from uvicorn.config import Config
+from uvicorn.protocols.utils import ClientDisconnected, get_local_addr, get_remote_addr, is_ssl
+from uvicorn.server import ServerState
+
+try:
+    from websockets.speedups import apply_mask as _apply_mask  # C; ~0.5 us for a small frame
+except ImportError:  # pragma: no cover (websockets built without its C extension)
+    def _apply_mask(data: bytes, mask: bytes) -> bytes:
+        n = len(data)
+        key = (mask * (n // 4 + 1))[:n]
+        return (int.from_bytes(data, "little") ^ int.from_bytes(key, "little")).to_bytes(n, "little")
+
+logger = logging.getLogger("envserver.websocket")
+
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
+_CONT, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+# Close codes a peer may put on the wire (section 7.4): 1004-1006 and 1015 are reserved.
+_VALID_CLOSE = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014))
+_CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
+_MAX_QUEUED = 64  # messages buffered for the app before reading from the socket pauses
+_HTTP_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 426: b"Upgrade Required",
+                 500: b"Internal Server Error"}
+
+_State = Literal["handshake", "connecting", "responding", "open", "closed"]
+
+
+def _frame(first: int, payload: bytes) -> bytes:
+    """One unmasked server frame: ``first`` is FIN plus the opcode."""
+    n = len(payload)
+    if n < 126:
+        return bytes((first, n)) + payload
+    if n < 1 << 16:
+        return bytes((first, 126)) + n.to_bytes(2, "big") + payload
+    return bytes((first, 127)) + n.to_bytes(8, "big") + payload
+
+
+def _close_frame(code: int, reason: str = "") -> bytes:
+    return _frame(0x80 | _CLOSE, code.to_bytes(2, "big") + reason.encode()[:123])
+
+
+def _http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _HTTP_REASONS.get(status, b""))]
+    lines += [name + b": " + value + b"\r\n" for name, value in headers]
+    names = {name.lower() for name, _ in headers}
+    if b"content-length" not in names:
+        lines.append(b"content-length: %d\r\n" % len(body))
+    if b"content-type" not in names:
+        lines.append(b"content-type: text/plain; charset=utf-8\r\n")
+    lines += [b"connection: close\r\n\r\n", body]
+    return b"".join(lines)
+
+
+class WebSocketProtocol(asyncio.Protocol):
+    """One server-side WebSocket connection, from the upgrade request to the closed socket.
+
+    Built by uvicorn's HTTP protocol with the same arguments as uvicorn's WebSocket protocols; it
+    then gets the upgrade request through ``data_received`` and owns the transport.
+    """
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if not config.loaded:
+            config.load()
+        self.config = config
+        self.app = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.server_state = server_state
+        self.app_state = app_state
+        self.max_size: int = config.ws_max_size
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.scope: dict[str, Any] = {}
+        self.state: _State = "handshake"
+        self.close_sent = False
+        self.disconnected = False
+        self._buffer = bytearray()  # bytes received and not handled yet
+        self._fragments: list[bytes] | None = None  # the parts of a fragmented message so far
+        self._fragment_opcode = _TEXT
+        self._fragment_size = 0
+        self._events: collections.deque[dict[str, Any]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._read_paused = False
+        self._writable: asyncio.Event | None = None  # set while the transport's buffer is full
+        self._response: tuple[int, list[tuple[bytes, bytes]], list[bytes]] | None = None
+        self._ping_payload: bytes | None = None
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        """Register the connection with the server (its shutdown closes every one it knows)."""
+        self.transport = transport  # type: ignore[assignment]
+        self.server_state.connections.add(self)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The socket is gone: tell the app (if it still listens) and drop every timer."""
+        self.server_state.connections.discard(self)  # type: ignore[arg-type]
+        self._cancel_timers()
+        if not self.disconnected:
+            self.disconnected = True
+            self._put({"type": "websocket.disconnect", "code": 1006})  # no close frame: abnormal closure
+        if self._writable is not None:
+            self._writable.set()
+        self.state = "closed"
+        if exc is None:
+            self.transport.close()
+
+    def eof_received(self) -> None:
+        """Half-close from the peer: the transport closes itself."""
+
+    def pause_writing(self) -> None:
+        """The transport's write buffer is above its high-water mark: ``send`` waits."""
+        if self._writable is None:
+            self._writable = asyncio.Event()
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        """The write buffer drained: ``send`` goes on."""
+        if self._writable is not None:
+            self._writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes from the peer: the upgrade request first, then frames."""
+        if self.disconnected:
+            return
+        if self._buffer:
+            self._buffer += data
+            buffer: bytes | bytearray = self._buffer
+        else:
+            buffer = data
+        if self.state == "handshake":
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                self._keep(buffer, 0)
+                return
+            head = bytes(buffer[:end])
+            self._keep(buffer, end + 4)
+            self._handshake(head)
+        elif self.state == "open":
+            self._keep(buffer, self._parse(buffer))
+        else:
+            self._keep(buffer, 0)  # frames sent before the handshake finished wait for it
+
+    def _keep(self, buffer: bytes | bytearray, used: int) -> None:
+        """Keep what is left of ``buffer`` past ``used`` bytes for the next ``data_received``."""
+        if used >= len(buffer):
+            self._buffer = bytearray()
+        elif buffer is self._buffer:
+            del self._buffer[:used]
+        else:
+            self._buffer = bytearray(memoryview(buffer)[used:])
+
+    def shutdown(self) -> None:
+        """uvicorn is exiting: close with 1012 (service restart), or 500 before the handshake."""
+        self._cancel_timers()
+        if self.state == "open" and not self.close_sent and not self.disconnected:
+            self.close_sent = self.disconnected = True
+            self._put({"type": "websocket.disconnect", "code": 1012})
+            self.transport.write(_close_frame(1012))
+        elif self.state in ("handshake", "connecting"):
+            self._reject(500, b"server shutting down")
+        self.transport.close()
+
+    # The opening handshake
+
+    def _handshake(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ")
+        headers = []
+        fields: dict[bytes, bytes] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip()
+            headers.append((name, value))
+            fields[name] = fields[name] + b", " + value if name in fields else value
+        if len(parts) != 3 or parts[0] != b"GET":
+            self._reject(400, b"a WebSocket handshake is a GET request")
+            return
+        if fields.get(b"upgrade", b"").lower() != b"websocket" or b"upgrade" not in [
+                token.strip() for token in fields.get(b"connection", b"").lower().split(b",")]:
+            self._reject(400, b"missing 'Upgrade: websocket' or 'Connection: Upgrade'")
+            return
+        if fields.get(b"sec-websocket-version") != b"13":
+            self._reject(426, b"unsupported WebSocket version; this server speaks 13",
+                         [(b"sec-websocket-version", b"13")])
+            return
+        key = fields.get(b"sec-websocket-key", b"")
+        try:
+            valid_key = len(base64.b64decode(key, validate=True)) == 16
+        except binascii.Error:
+            valid_key = False
+        if not valid_key:
+            self._reject(400, b"missing or malformed Sec-WebSocket-Key")
+            return
+        self._accept_key = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        self.scope = self._make_scope(parts[1], headers, fields)
+        self.state = "connecting"
+        self._events.append({"type": "websocket.connect"})
+        task = self.loop.create_task(self._run_asgi())
+        self.server_state.tasks.add(task)
+        task.add_done_callback(self.server_state.tasks.discard)
+
+    def _make_scope(self, target: bytes, headers: list[tuple[bytes, bytes]],
+                    fields: dict[bytes, bytes]) -> dict[str, Any]:
+        raw_path, _, query = target.partition(b"?")
+        path = raw_path.decode("latin-1")
+        root = self.config.root_path
+        transport = self.transport
+        subprotocols = fields.get(b"sec-websocket-protocol")
+        return {
+            "type": "websocket",
+            "asgi": {"version": self.config.asgi_version, "spec_version": "2.4"},
+            "http_version": "1.1",
+            "scheme": "wss" if is_ssl(transport) else "ws",
+            "server": get_local_addr(transport),
+            "client": get_remote_addr(transport),
+            "root_path": root,
+            "path": root + (unquote(path) if "%" in path else path),
+            "raw_path": root.encode() + raw_path,
+            "query_string": query,
+            "headers": headers,
+            "subprotocols": [p.strip() for p in subprotocols.decode("latin-1").split(",")] if subprotocols else [],
+            "state": self.app_state.copy(),
+            "extensions": {"websocket.http.response": {}},
+        }
+
+    def _accept(self, message: dict[str, Any]) -> None:
+        head = [b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                b"sec-websocket-accept: ", self._accept_key, b"\r\n"]
+        for name, value in (*self.server_state.default_headers, *message.get("headers", ())):
+            head += [name, b": ", value, b"\r\n"]
+        subprotocol = message.get("subprotocol")
+        if subprotocol:
+            head += [b"sec-websocket-protocol: ", subprotocol.encode(), b"\r\n"]
+        head.append(b"\r\n")
+        self.transport.write(b"".join(head))
+        self.state = "open"
+        interval = self.config.ws_ping_interval
+        if interval:
+            self._ping_timer = self.loop.call_later(interval, self._ping)
+        if self._buffer:
+            self._keep(self._buffer, self._parse(self._buffer))
+
+    def _reject(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """An HTTP response instead of the handshake, then close (nothing to tell the app)."""
+        self.state = "closed"
+        self.close_sent = True
+        self.transport.write(_http_response(status, [*self.server_state.default_headers, *(headers or ())], body))
+        self.transport.close()
+
+    # Frames from the peer
+
+    def _parse(self, buffer: bytes | bytearray) -> int:
+        """Handle every complete frame in ``buffer``; returns how many bytes they took."""
+        pos, size = 0, len(buffer)
+        while size - pos >= 2 and not self.disconnected:
+            first, second = buffer[pos], buffer[pos + 1]
+            length, start = second & 0x7F, pos + 2
+            if length == 126:
+                if size - pos < 4:
+                    break
+                length, start = int.from_bytes(buffer[start:start + 2], "big"), start + 2
+            elif length == 127:
+                if size - pos < 10:
+                    break
+                length, start = int.from_bytes(buffer[start:start + 8], "big"), start + 8
+            opcode = first & 0x0F
+            if not second & 0x80:
+                self._fail(1002, "client frames must be masked")
+            elif first & 0x70:
+                self._fail(1002, "reserved bits set, and no extension was negotiated")
+            elif opcode >= _CLOSE and (length > 125 or not first & 0x80):
+                self._fail(1002, "control frames must be final and at most 125 bytes")
+            elif length + self._fragment_size > self.max_size:
+                self._fail(1009, f"message larger than {self.max_size} bytes")
+            if self.disconnected or size < start + 4 + length:
+                break
+            payload = _apply_mask(buffer[start + 4:start + 4 + length], buffer[start:start + 4])
+            pos = start + 4 + length
+            self._frame_received(first & 0x80, opcode, payload)
+        return pos
+
+    def _frame_received(self, fin: int, opcode: int, payload: bytes) -> None:
+        if opcode == _TEXT or opcode == _BINARY:
+            if self._fragments is not None:
+                self._fail(1002, "a new message began before the fragmented one ended")
+            elif fin:
+                self._message(opcode, payload)
+            else:
+                self._fragments, self._fragment_opcode, self._fragment_size = [payload], opcode, len(payload)
+        elif opcode == _CONT:
+            if self._fragments is None:
+                self._fail(1002, "continuation frame without a message to continue")
+                return
+            self._fragments.append(payload)
+            self._fragment_size += len(payload)
+            if fin:
+                data = b"".join(self._fragments)
+                self._fragments, self._fragment_size = None, 0
+                self._message(self._fragment_opcode, data)
+        elif opcode == _CLOSE:
+            self._close_received(payload)
+        elif opcode == _PING:
+            if not self.close_sent:
+                self.transport.write(_frame(0x80 | _PONG, payload))
+        elif opcode == _PONG:
+            if self._ping_payload is not None and payload == self._ping_payload:
+                self._ping_payload = None
+                self._ping_timer.cancel()  # type: ignore[union-attr]
+                self._ping_timer = self.loop.call_later(self.config.ws_ping_interval, self._ping)  # type: ignore[arg-type]
+        else:
+            self._fail(1002, f"unknown opcode {opcode}")
+
+    def _message(self, opcode: int, payload: bytes) -> None:
+        if self.close_sent:
+            return  # the app is past websocket.close: only the peer's close matters now
+        if opcode == _TEXT:
+            try:
+                event: dict[str, Any] = {"type": "websocket.receive", "text": payload.decode()}
+            except UnicodeDecodeError:
+                self._fail(1007, "text message is not valid UTF-8")
+                return
+        else:
+            event = {"type": "websocket.receive", "bytes": payload}
+        self._put(event)
+        if len(self._events) >= _MAX_QUEUED and not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def _close_received(self, payload: bytes) -> None:
+        if self.close_sent:  # the peer answered our close: the closing handshake is complete
+            self.disconnected = True
+            self.transport.close()
+            return
+        code, reason = 1005, ""
+        if len(payload) == 1:
+            self._fail(1002, "close frame payload of one byte")
+            return
+        if payload:
+            code = int.from_bytes(payload[:2], "big")
+            try:
+                reason = payload[2:].decode()
+            except UnicodeDecodeError:
+                self._fail(1007, "close reason is not valid UTF-8")
+                return
+            if code not in _VALID_CLOSE and not 3000 <= code <= 4999:
+                self._fail(1002, f"invalid close code {code}")
+                return
+        self.disconnected = self.close_sent = True
+        self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
+        self.transport.write(_close_frame(code) if code != 1005 else _frame(0x80 | _CLOSE, b""))
+        self.transport.close()
+
+    def _fail(self, code: int, reason: str) -> None:
+        """Fail the connection (RFC 6455 section 7.1.7): close frame, then drop the TCP connection."""
+        if self.disconnected:
+            return
+        self.disconnected = True
+        self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
+        if not self.close_sent:
+            self.close_sent = True
+            self.transport.write(_close_frame(code, reason))
+        self.transport.close()
+
+    # Keep-alive
+
+    def _ping(self) -> None:
+        self._ping_timer = None
+        if self.close_sent or self.disconnected:
+            return
+        self._ping_payload = random.getrandbits(32).to_bytes(4, "big")
+        self.transport.write(_frame(0x80 | _PING, self._ping_payload))
+        timeout = self.config.ws_ping_timeout
+        if timeout:
+            self._ping_timer = self.loop.call_later(timeout, self._fail, 1011, "keepalive ping timeout")
+        else:
+            self._ping_timer = self.loop.call_later(self.config.ws_ping_interval, self._ping)  # type: ignore[arg-type]
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._ping_timer, self._close_timer):
+            if timer is not None:
+                timer.cancel()
+        self._ping_timer = self._close_timer = None
+
+    # ASGI
+
+    async def _run_asgi(self) -> None:
+        try:
+            result = await self.app(self.scope, self.receive, self.send)
+        except ClientDisconnected:
+            pass
+        except BaseException:
+            logger.exception("exception in the ASGI application")
+            self._reject_if_connecting()
+        else:
+            if self.state in ("connecting", "responding"):
+                logger.error("the ASGI application returned without completing the WebSocket handshake")
+                self._reject_if_connecting()
+            elif result is not None:
+                logger.error("the ASGI application returned %r instead of None", result)
+        if self._close_timer is None:
+            self.transport.close()
+
+    def _reject_if_connecting(self) -> None:
+        if self.state == "connecting" or self.state == "responding":
+            self._reject(500, b"Internal Server Error")
+
+    def _put(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def receive(self) -> dict[str, Any]:
+        """The next ASGI event: ``websocket.connect``, then ``receive`` messages, then ``disconnect``."""
+        events = self._events
+        while not events:
+            self._waiter = self.loop.create_future()
+            await self._waiter
+        event = events.popleft()
+        if self._read_paused and len(events) < _MAX_QUEUED // 2:
+            self._read_paused = False
+            self.transport.resume_reading()
+        return event
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Carry out one ASGI event of the app: accept/refuse the handshake, send a message, close.
+
+        Raises:
+            ClientDisconnected: the peer is gone (an ``OSError``).
+            RuntimeError: an event that is not allowed in the connection's state.
+        """
+        if self._writable is not None and not self._writable.is_set():
+            await self._writable.wait()
+        kind = message["type"]
+        if self.disconnected:
+            raise ClientDisconnected()
+        state = self.state
+        if state == "open":
+            if self.close_sent:
+                raise RuntimeError(f"unexpected ASGI message {kind!r} after sending websocket.close")
+            if kind == "websocket.send":
+                text = message.get("text")
+                if text is not None:
+                    self.transport.write(_frame(0x80 | _TEXT, text.encode()))
+                else:
+                    self.transport.write(_frame(0x80 | _BINARY, message["bytes"]))
+            elif kind == "websocket.close":
+                self._send_close(message.get("code", 1000), message.get("reason") or "")
+            else:
+                raise RuntimeError(f"expected 'websocket.send' or 'websocket.close', got {kind!r}")
+        elif state == "connecting":
+            if kind == "websocket.accept":
+                self._accept(message)
+            elif kind == "websocket.close":
+                self._put({"type": "websocket.disconnect", "code": 1006})
+                self._reject(403, b"")
+            elif kind == "websocket.http.response.start":
+                if not 100 <= message["status"] < 600:
+                    raise RuntimeError(f"invalid HTTP status code {message['status']!r}")
+                self.state = "responding"
+                self._response = (message["status"], list(message.get("headers", ())), [])
+            else:
+                raise RuntimeError(f"expected 'websocket.accept', 'websocket.close' or "
+                                   f"'websocket.http.response.start', got {kind!r}")
+        elif state == "responding" and kind == "websocket.http.response.body":
+            status, headers, body = self._response  # type: ignore[misc]
+            body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                self._put({"type": "websocket.disconnect", "code": 1006})
+                self._reject(status, b"".join(body), headers)
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} in state {state!r}")
+
+    def _send_close(self, code: int, reason: str) -> None:
+        """Start the closing handshake; the socket drops on the peer's reply or after a timeout."""
+        self.close_sent = True
+        self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
+        self.transport.write(_close_frame(code, reason))
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+        self._close_timer = self.loop.call_later(_CLOSE_TIMEOUT, self.transport.close)
