@@ -383,7 +383,12 @@ class WebSocketProtocol(asyncio.Protocol):
         self.transport.close()
 
     def _fail(self, code: int, reason: str) -> None:
-        """Fail the connection (RFC 6455 section 7.1.7): close frame, then drop the TCP connection."""
+        """Fail the connection (RFC 6455 section 7.1.7): send a close frame and stop reading frames.
+
+        The TCP connection is half-closed rather than dropped: dropping it with unread bytes would
+        reset it, and the peer could lose the close frame that says why. What the peer sends from
+        now on is discarded until it closes, or for ``_CLOSE_TIMEOUT`` seconds at most.
+        """
         if self.disconnected:
             return
         self.disconnected = True
@@ -391,7 +396,10 @@ class WebSocketProtocol(asyncio.Protocol):
         if not self.close_sent:
             self.close_sent = True
             self.transport.write(_close_frame(code, reason))
-        self.transport.close()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        if self._close_timer is None:
+            self._close_timer = self.loop.call_later(_CLOSE_TIMEOUT, self.transport.close)
 
     # Keep-alive
 
