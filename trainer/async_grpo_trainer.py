@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,14 @@ from trainer.batching import MicroBatch, MicroBatchStream
 from trainer.config import AsyncGRPOConfig
 from trainer.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.errors import ConfigError
+from trainer.lora_sync import (
+    LORA_CACHE_DIR,
+    LoRAAdapterSync,
+    adapter_rank,
+    adapter_sync_obstacle,
+    check_lora_limits,
+    server_lora_config,
+)
 from trainer.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
 from trainer.metrics import MetricWindow
 from trainer.moe import RouterLogits, resolve_aux_loss_coef
@@ -43,6 +52,7 @@ from trainer.training_templates import rollout_chat_template
 from trainer.tree_attention import enable_tree_attention
 from trainer.weight_sync import (
     SharedMemorySender,
+    SyncTimings,
     VLLMAdminClient,
     WeightSender,
     WeightSynchronizer,
@@ -147,7 +157,8 @@ class AsyncGRPOTrainer(Trainer):
             defaults to EOS.
         callbacks: Extra ``TrainerCallback``s.
         optimizers: ``(optimizer, scheduler)``; AdamW and the configured scheduler when ``None``.
-        peft_config: A PEFT config to wrap the model with (merged-weight sync).
+        peft_config: A PEFT config to wrap the model with. Synced as merged weights, or as an adapter
+            when the server runs ``--enable-lora`` (see :mod:`trainer.lora_sync`).
         tools: Functions the model may call (type hints + Google docstrings; module level).
         environment_factory: A zero-argument callable making an environment, or a dict
             name -> callable routed by the dataset's ``environment`` column.
@@ -216,6 +227,7 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
+        self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
         self._step_fwd_bwd_s = 0.0
         self._num_tokens = 0
@@ -255,6 +267,9 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if self._adapter_sync is not None:  # after the worker: no rollout still asks for an adapter
+            self._adapter_sync.close()
+            self._adapter_sync = None
         if self.feed is not None:
             self.feed.close()
             self.feed = None
@@ -306,8 +321,11 @@ class AsyncGRPOTrainer(Trainer):
         ctx = spawn_context()
         allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
         channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
-        self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
-        if version > 0:  # resumed: the server still has the initial weights
+        self._adapter_sync = self._make_adapter_sync(admin)
+        if self._adapter_sync is None:
+            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
+        # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
+        if version > 0 or self._adapter_sync is not None:
             self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
         tokenizer = self.processing_class
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -316,6 +334,7 @@ class AsyncGRPOTrainer(Trainer):
             processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
             environment_factory=self.environment_factory, dataset_start_index=start,
             max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
+            lora_name=self._adapter_sync.lora_name if self._adapter_sync is not None else None,
         )
         self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
         self.worker.start()
@@ -339,6 +358,26 @@ class AsyncGRPOTrainer(Trainer):
             port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216"))
             return NCCLSender(admin, os.environ.get("TOOLGYM_WEIGHT_SYNC_HOST", "127.0.0.1"), port, size)
         return SharedMemorySender(admin)
+
+    def _make_adapter_sync(self, admin: VLLMAdminClient) -> LoRAAdapterSync | None:
+        """Adapter-only sync when the model is a PEFT LoRA model and the server loads adapters at run
+        time (limits checked here, with the flag to restart the server with); else ``None`` (merged)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "peft_config"):
+            return None
+        server = server_lora_config(admin)
+        if server is None:
+            return None
+        obstacle = adapter_sync_obstacle(model)
+        if obstacle is not None:
+            logger.warning("LoRA: the server runs --enable-lora but the model has %s; using the merged-weight sync",
+                           obstacle)
+            return None
+        check_lora_limits(server, self.args.max_staleness, adapter_rank(model))
+        cache = Path(self.args.output_dir) / LORA_CACHE_DIR
+        logger.info("LoRA: adapter-only sync (versions under %s, %d kept registered)",
+                    cache, self.args.max_staleness + 1)
+        return LoRAAdapterSync(admin, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self.args.max_staleness + 1)
 
     def _manifest(self) -> dict[str, tuple[int, ...]]:
         return checkpoint_manifest(self.model_id) if Path(self.model_id).is_dir() else {}
@@ -399,12 +438,23 @@ class AsyncGRPOTrainer(Trainer):
         if barrier:
             self.accelerator.wait_for_everyone()
         barrier_s = time.perf_counter() - t0
-        if self._syncer is not None:
-            timings = self._syncer.sync(self._policy_weights(), version)
+        timings: SyncTimings | None = None
+        if self._adapter_sync is not None:
+            timings = self._adapter_sync.load(self.accelerator.unwrap_model(self.model), version)
+            self._publish_version(version)  # new rollouts ask for the new adapter before the oldest goes
+            timings.transfer_s += self._adapter_sync.retire()
+        else:
+            if self._syncer is not None:
+                timings = self._syncer.sync(self._policy_weights(), version)
+            self._publish_version(version)
+        if timings is not None:
             self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
             self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
         self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
         self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
+
+    def _publish_version(self, version: int) -> None:
+        """Make ``version`` the policy version of the trainer, the stream and new rollouts."""
         self._policy_version = version
         if self.stream is not None:
             self.stream.policy_version = version

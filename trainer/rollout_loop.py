@@ -15,6 +15,7 @@ process. A hook logs its own metrics with :meth:`~AsyncRolloutLoop.log_metric` /
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 import time
@@ -29,7 +30,8 @@ from trainer.chat_template import build_assistant_message, parse_tool_calls
 from trainer.concurrency import AdaptiveCap, TokenAllowance
 from trainer.config import AsyncGRPOConfig
 from trainer.env_pool import EnvironmentPool
-from trainer.errors import RolloutWorkerError
+from trainer.errors import RolloutWorkerError, VLLMServerError
+from trainer.lora_sync import adapter_name
 from trainer.metrics import RecordBuffer
 from trainer.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.reconcile import reconcile_turns
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 5.0
 HEARTBEAT_S = 1.0
 METRICS_FLUSH_S = 1.0
+# The policy version a group started under, seen by its rollouts' requests (asyncio tasks copy it).
+_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("toolgym_group_version", default=None)
 FAILING_ROLLOUTS_LIMIT = 32  # consecutive failed rollouts (none succeeding) before the run stops
 
 
@@ -71,6 +75,9 @@ class AsyncRolloutLoop:
         kv_cache_tokens: The server's KV-cache capacity, ``None`` when unknown.
         chat_template: The template :meth:`generate_one` renders with instead of the tokenizer's own
             (the training template the trainer chose at start, see :mod:`trainer.training_templates`).
+        lora_name: With adapter-only LoRA sync, the prefix of the adapters' names: each request
+            asks for the adapter of the policy version its group started under
+            (:meth:`rollout_model`). ``None``: the base model's name.
     """
 
     def __init__(
@@ -89,6 +96,7 @@ class AsyncRolloutLoop:
         max_model_len: int = 2048,
         kv_cache_tokens: int | None = None,
         chat_template: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -105,6 +113,7 @@ class AsyncRolloutLoop:
         self.kv_cache_tokens = kv_cache_tokens
         self.chat_template_kwargs = dict(config.chat_template_kwargs or {})
         self.chat_template = chat_template
+        self.lora_name = lora_name
         self._incremental_render: bool | None = None  # decided on the first rollout
         self.records = RecordBuffer()
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts, thread_name_prefix="tool")
@@ -168,7 +177,26 @@ class AsyncRolloutLoop:
         params = self.params
         if room < params.max_tokens:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room})
-        return await self.sampler.complete(prompt_ids, params)
+        try:
+            return await self.sampler.complete(prompt_ids, params, model=self.rollout_model())
+        except VLLMServerError as exc:
+            if self.lora_name is None or "HTTP 404" not in exc.message:
+                raise
+            # The group's adapter was retired between rollout_model() and the request: the group is
+            # more than max_staleness versions old, so the trainer drops it; finish on the newest.
+            newest = adapter_name(self.lora_name, int(self.channels.model_version.value))
+            return await self.sampler.complete(prompt_ids, params, model=newest)
+
+    def rollout_model(self) -> str | None:
+        """The ``model`` a request of the current rollout asks for: ``None`` (the base model) without
+        adapter-only LoRA sync, else the adapter of the version the rollout's group started under, or
+        the newest when that one is too stale to stay loaded (the trainer drops such a group)."""
+        if self.lora_name is None:
+            return None
+        current = int(self.channels.model_version.value)
+        started = _GROUP_VERSION.get()
+        version = current if started is None or current - started > self.config.max_staleness else started
+        return adapter_name(self.lora_name, version)
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Tool], group_id: int = 0) -> Rollout:
         """One whole rollout: a multi-turn tool loop.
@@ -364,6 +392,7 @@ class AsyncRolloutLoop:
 
     async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
         version = int(self.channels.model_version.value)
+        _GROUP_VERSION.set(version)  # this task's context, copied into its rollouts' tasks
         results = await asyncio.gather(*(self._one_rollout(row, position, reserved=True)
                                          for _ in range(self.config.num_generations)),
                                        return_exceptions=True)

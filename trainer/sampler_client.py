@@ -188,12 +188,16 @@ class SamplerClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, VLLMServerError):
             return None
 
-    async def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None) -> TurnRecord:
-        """Sample one completion of ``prompt_ids``; retried on transport errors and 5xx."""
-        if self.model is None:
+    async def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None,
+                       model: str | None = None) -> TurnRecord:
+        """Sample one completion of ``prompt_ids``; retried on transport errors and 5xx.
+
+        ``model`` names a LoRA adapter loaded on the server; the base model when ``None``.
+        """
+        if model is None and self.model is None:
             await self.limits()
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": prompt_ids,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,

@@ -76,7 +76,12 @@ class VLLMServerConfig:
         max_logprobs: Largest ``logprobs`` a request may ask for.
         seed: The server's base seed.
         enable_lora: Serve LoRA adapters loaded at run time (``--enable-lora`` and
-            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): the trainer then syncs a LoRA model as
+            adapters (:mod:`trainer.lora_sync`).
+        max_loras: ``--max-loras`` with ``enable_lora``: adapters served at once; the trainer needs
+            ``max_staleness + 2``. vLLM's default (1) when ``None``.
+        max_lora_rank: ``--max-lora-rank`` with ``enable_lora`` (1, 8, 16, 32, 64, 128, 256, 320 or
+            512; at least the adapter's rank). vLLM's default (16) when ``None``.
         extra_args: More ``vllm serve`` flags, appended last.
         extra_env: More environment variables for the server process.
         ready_timeout_s: How long to wait for ``/health`` before giving up.
@@ -93,6 +98,8 @@ class VLLMServerConfig:
     max_logprobs: int = 20
     seed: int = 0
     enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 300.0
@@ -120,6 +127,10 @@ class VLLMServerConfig:
             cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
         if self.enable_lora:
             cmd.append("--enable-lora")
+            if self.max_loras is not None:
+                cmd += ["--max-loras", str(self.max_loras)]
+            if self.max_lora_rank is not None:
+                cmd += ["--max-lora-rank", str(self.max_lora_rank)]
         return cmd + list(self.extra_args)
 
     def environment(self, cache_root: str) -> dict[str, str]:
@@ -283,11 +294,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters loaded at run time (adapter-only sync of a LoRA model)")
+    parser.add_argument("--max-loras", type=int, default=None, help="with --enable-lora: at least max_staleness + 2")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="with --enable-lora: at least the LoRA rank")
     args = parser.parse_args(argv)
     config = VLLMServerConfig(
         model=args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         extra_args=extra,
     )
     server = VLLMServer(config)
