@@ -169,7 +169,8 @@ class AsyncRolloutLoop:
         """Sample one response to ``prompt_ids`` from the vLLM server with the config's settings.
 
         ``max_tokens`` is ``max_completion_length``, reduced so that prompt + completion fit the
-        server's ``max_model_len``.
+        server's ``max_model_len``. An override that calls ``self.sampler.complete`` itself passes
+        ``model=self.rollout_model()`` (the LoRA adapter of the rollout's policy version).
         """
         room = self.max_model_len - len(prompt_ids)
         if room <= 0:
