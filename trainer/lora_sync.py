@@ -30,12 +30,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError, VLLMServerError, WeightSyncError
 from trainer.weight_sync import SyncTimings, VLLMAdminClient
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 LORA_CACHE_DIR = ".vllm_lora"
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def server_lora_config(client: VLLMAdminClient) -> ServerLoRAConfig | None:
     return ServerLoRAConfig(max_loras=int(lora["max_loras"]), max_lora_rank=int(lora["max_lora_rank"]))
 
 
-def adapter_rank(model: torch.nn.Module) -> int:
+def adapter_rank(model: PeftModel) -> int:
     """The largest LoRA rank of the PEFT model's active adapters (``r`` and any ``rank_pattern``)."""
     ranks = [1]
     for name in _active_adapters(model):
@@ -89,12 +90,12 @@ def adapter_rank(model: torch.nn.Module) -> int:
     return max(ranks)
 
 
-def _active_adapters(model: Any) -> list[str]:
+def _active_adapters(model: PeftModel) -> list[str]:
     active = model.active_adapter
     return list(active) if isinstance(active, (list, tuple)) else [active]
 
 
-def adapter_sync_obstacle(model: torch.nn.Module) -> str | None:
+def adapter_sync_obstacle(model: PeftModel) -> str | None:
     """Why this PEFT model cannot be served as an adapter (then the merged sync is used), or ``None``."""
     configs = [model.peft_config[name] for name in _active_adapters(model)]
     if len(configs) != 1:
@@ -153,7 +154,7 @@ class LoRAAdapterSync:
         """Where ``version`` is written."""
         return self.cache_dir / adapter_name(self.lora_name, version)
 
-    def load(self, model: torch.nn.Module, version: int) -> SyncTimings:
+    def load(self, model: PeftModel, version: int) -> SyncTimings:
         """Write the PEFT model's adapter as ``version`` and register it; raises :class:`WeightSyncError`
         with the server's message when the server refuses it (the version's folder is removed)."""
         t0 = time.perf_counter()
