@@ -20,7 +20,6 @@ their payload is read, invalid UTF-8 closed with 1007, protocol errors with 1002
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import collections
 import hashlib
@@ -100,6 +99,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self.max_size: int = config.ws_max_size
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.scope: dict[str, Any] = {}
+        self._addresses: tuple[tuple[str, int | None] | None, tuple[str, int] | None, str] = (None, None, "ws")
         self.state: _State = "handshake"
         self.close_sent = False
         self.disconnected = False
@@ -122,6 +122,12 @@ class WebSocketProtocol(asyncio.Protocol):
         """Register the connection with the server (its shutdown closes every one it knows)."""
         self.transport = transport  # type: ignore[assignment]
         self.server_state.connections.add(self)  # type: ignore[arg-type]
+        http = transport.get_protocol()  # uvicorn's HTTP protocol, handing over: it asked the socket already
+        if hasattr(http, "server") and hasattr(http, "client") and hasattr(http, "scheme"):
+            self._addresses = (http.server, http.client, "wss" if http.scheme == "https" else "ws")
+        else:
+            self._addresses = (get_local_addr(transport), get_remote_addr(transport),  # type: ignore[arg-type]
+                               "wss" if is_ssl(transport) else "ws")  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The socket is gone: tell the app (if it still listens) and drop every timer."""
@@ -217,13 +223,13 @@ class WebSocketProtocol(asyncio.Protocol):
             return
         key = fields.get(b"sec-websocket-key", b"")
         try:
-            valid_key = len(base64.b64decode(key, validate=True)) == 16
+            valid_key = len(binascii.a2b_base64(key, strict_mode=True)) == 16
         except binascii.Error:
             valid_key = False
         if not valid_key:
             self._reject(400, b"missing or malformed Sec-WebSocket-Key")
             return
-        self._accept_key = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        self._accept_key = binascii.b2a_base64(hashlib.sha1(key + _GUID).digest(), newline=False)
         self.scope = self._make_scope(parts[1], headers, fields)
         self.state = "connecting"
         self._events.append({"type": "websocket.connect"})
@@ -236,15 +242,15 @@ class WebSocketProtocol(asyncio.Protocol):
         raw_path, _, query = target.partition(b"?")
         path = raw_path.decode("latin-1")
         root = self.config.root_path
-        transport = self.transport
+        server, client, scheme = self._addresses
         subprotocols = fields.get(b"sec-websocket-protocol")
         return {
             "type": "websocket",
             "asgi": {"version": self.config.asgi_version, "spec_version": "2.4"},
             "http_version": "1.1",
-            "scheme": "wss" if is_ssl(transport) else "ws",
-            "server": get_local_addr(transport),
-            "client": get_remote_addr(transport),
+            "scheme": scheme,
+            "server": server,
+            "client": client,
             "root_path": root,
             "path": root + (unquote(path) if "%" in path else path),
             "raw_path": root.encode() + raw_path,

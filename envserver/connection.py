@@ -40,15 +40,11 @@ class Connection:
     """
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, table: SessionTable) -> None:
-        self.query = dict(urllib.parse.parse_qsl(scope["query_string"].decode("latin-1")))
+        self.query = _parse_query(scope["query_string"].decode("latin-1"))
         self._receive = receive
         self._asgi_send = send
         self.table = table
         self._closed = False
-        self._ops: dict[str, Callable[[Session, dict[str, Any]], Awaitable[Any]]] = {
-            Op.RESET: self._reset, Op.CALL: self._call, Op.REWARD: self._reward,
-            Op.PING: self._ping, Op.CLOSE: self._close,
-        }
 
     async def serve(self, env_name: str) -> None:
         """Accept, attach a session (new or resumed), then serve frames until the socket ends."""
@@ -117,14 +113,18 @@ class Connection:
         return session
 
     def _hello(self, session: Session, resumed: bool) -> str:
-        config = self.table.config
-        head = protocol.dumps({
-            "op": Op.HELLO, "v": protocol.PROTOCOL_VERSION, "session": session.id, "env": session.spec.name,
-            "resumed": resumed, "last_id": session.last_id,
-            "limits": {"call_timeout": config.call_timeout, "idle_timeout": config.idle_timeout,
-                       "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes},
-        })
-        return head[:-1] + "," + session.spec.describe_json[1:]  # splice the pre-encoded tools in
+        spec = session.spec
+        tail = self.table.hello_tails.get(spec.name)
+        if tail is None:  # everything after the per-session fields, encoded once per environment
+            config = self.table.config
+            limits = protocol.dumps({"limits": {
+                "call_timeout": config.call_timeout, "idle_timeout": config.idle_timeout,
+                "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes}})
+            env = protocol.dumps({"env": spec.name})
+            tail = self.table.hello_tails[spec.name] = f",{env[1:-1]},{limits[1:-1]},{spec.describe_json[1:]}"
+        # The session id is URL-safe base64, the rest numbers and literals: nothing to escape.
+        return (f'{{"op":"{Op.HELLO}","v":{protocol.PROTOCOL_VERSION},"session":"{session.id}",'
+                f'"resumed":{"true" if resumed else "false"},"last_id":{session.last_id}' + tail)
 
     async def _serve_frames(self, session: Session) -> None:
         receive, limit = self._receive, self.table.config.max_frame_bytes
@@ -157,10 +157,10 @@ class Connection:
         if rid <= session.last_id:
             return await self._replay(session, rid)
         op = frame.get("op")
-        handler = self._ops.get(op) if isinstance(op, str) else None
+        handler = _OPS.get(op) if isinstance(op, str) else None
         if handler is None:
             return self._frame_error(rid, ErrorCode.UNKNOWN_OP,
-                                     f"unknown op {op!r}; expected one of {', '.join(self._ops)}")
+                                     f"unknown op {op!r}; expected one of {', '.join(_OPS)}")
         return await self._run(session, rid, op, handler, frame)
 
     async def _replay(self, session: Session, rid: int) -> str:
@@ -172,8 +172,7 @@ class Connection:
         return self._frame_error(rid, ErrorCode.BAD_FRAME,
                                  f"request id {rid} is below the last one ({session.last_id}); ids must increase")
 
-    async def _run(self, session: Session, rid: int, op: str, handler: Callable[..., Awaitable[Any]],
-                   frame: dict[str, Any]) -> str:
+    async def _run(self, session: Session, rid: int, op: str, handler: _Handler, frame: dict[str, Any]) -> str:
         loop = asyncio.get_running_loop()
         while session.inflight is not None:  # a request from a connection this one took over
             await asyncio.shield(session.inflight)
@@ -182,7 +181,7 @@ class Connection:
         tool = frame.get("tool", "") if op == Op.CALL else ""
         started = time.perf_counter()
         try:
-            reply = ok_reply(rid, await handler(session, frame))
+            reply = ok_reply(rid, await handler(self, session, frame))
             outcome = "ok"
         except _RequestError as exc:
             reply, outcome = error_reply(rid, exc.code, str(exc)), exc.code.value
@@ -263,6 +262,21 @@ class Connection:
             await self._asgi_send({"type": "websocket.send", "text": text})
         except (RuntimeError, OSError):  # the peer is gone (uvicorn's ClientDisconnected); receive() will tell
             self._closed = True
+
+
+_Handler = Callable[[Connection, Session, dict[str, Any]], Awaitable[Any]]
+_OPS: dict[str, _Handler] = {
+    Op.RESET: Connection._reset, Op.CALL: Connection._call, Op.REWARD: Connection._reward,
+    Op.PING: Connection._ping, Op.CLOSE: Connection._close,
+}
+
+
+def _parse_query(query: str) -> dict[str, str]:
+    """The query string's parameters (the last of a repeated name wins, as ``dict(parse_qsl())``)."""
+    if "%" in query or "+" in query:  # escaped: let the standard parser decode it
+        return dict(urllib.parse.parse_qsl(query))
+    pairs = (pair.partition("=") for pair in query.split("&") if pair)
+    return {name: value for name, _, value in pairs if value}
 
 
 def _describe(exc: BaseException) -> str:

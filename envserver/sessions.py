@@ -87,11 +87,21 @@ class Session:
         if policy is not None and policy.inline(func):
             return policy.run(func, kwargs)
         job = pool.submit(func, **kwargs)
+        # A timer on the job's own future: what wait_for does, without its extra future and task hops.
+        deadline = asyncio.get_running_loop().call_later(timeout, _expire, job.future)
         try:
-            return await asyncio.wait_for(job.future, timeout)
+            return await job.future
         except TimeoutError:
             self.stray = job  # a thread cannot be cancelled; later requests wait for it
             raise
+        finally:
+            deadline.cancel()
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    """Fail a pool job's future with ``TimeoutError`` unless it already has its result."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class _Slots:
@@ -155,6 +165,7 @@ class SessionTable:
         self.pool = pool
         self.draining = False
         self._sessions: dict[str, Session] = {}
+        self.hello_tails: dict[str, str] = {}  # environment -> its pre-encoded part of hello (Connection)
         self._slots = _Slots(config.max_sessions, config.max_waiting, metrics)
 
     def __len__(self) -> int:
