@@ -16,11 +16,17 @@ A group starts only when the cap has room for another rollout beyond those alrea
 started groups (:meth:`AdaptiveCap.wait_for_room` / :meth:`AdaptiveCap.reserve`): without that, a
 generous allowance would start groups far faster than slots free up, and hundreds of waiting
 rollouts would be stamped with an old policy version and woken on every release.
+
+:meth:`AdaptiveCap.take_mean_in_flight` gives the time-weighted mean of the rollouts in flight
+since its last call (``rollout/concurrency``): a reading taken at one instant every few seconds
+cannot show a stall between two readings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 from trainer.sampler_client import ServerLoad
 
@@ -37,9 +43,11 @@ class AdaptiveCap:
         ceiling: ``max_concurrent_rollouts``.
         kv_cache_tokens: The server's KV-cache capacity; ``None`` when ``/metrics`` is unavailable.
         max_model_len: The server's longest sequence.
+        clock: Seconds, monotonic (for :meth:`take_mean_in_flight`).
     """
 
-    def __init__(self, ceiling: int, kv_cache_tokens: int | None, max_model_len: int) -> None:
+    def __init__(self, ceiling: int, kv_cache_tokens: int | None, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ceiling = ceiling
         self.adaptive = kv_cache_tokens is not None
         start = kv_cache_tokens // max(max_model_len, 1) if kv_cache_tokens else ceiling
@@ -49,6 +57,9 @@ class AdaptiveCap:
         self.finished = 0
         self._finished_at_last_growth = 0
         self._changed = asyncio.Condition()
+        self._clock = clock
+        self._mark = self._window_start = clock()
+        self._in_flight_area = 0.0  # integral of in_flight over time since _window_start
 
     @property
     def limit(self) -> int:
@@ -68,6 +79,7 @@ class AdaptiveCap:
         """Wait for a free slot and take it; ``reserved`` when the slot was promised by :meth:`reserve`."""
         async with self._changed:
             await self._changed.wait_for(lambda: self.in_flight < self.limit)
+            self._integrate()
             self.in_flight += 1
             if reserved:
                 self.reserved -= 1
@@ -75,9 +87,23 @@ class AdaptiveCap:
     async def release(self) -> None:
         """Give a slot back (a rollout finished)."""
         async with self._changed:
+            self._integrate()
             self.in_flight -= 1
             self.finished += 1
             self._changed.notify_all()
+
+    def take_mean_in_flight(self) -> float:
+        """Time-weighted mean of the rollouts in flight since the previous call (or the start)."""
+        self._integrate()
+        span = self._mark - self._window_start
+        mean = self._in_flight_area / span if span > 0 else float(self.in_flight)
+        self._window_start, self._in_flight_area = self._mark, 0.0
+        return mean
+
+    def _integrate(self) -> None:
+        now = self._clock()
+        self._in_flight_area += self.in_flight * (now - self._mark)
+        self._mark = now
 
     async def observe(self, load: ServerLoad | None) -> None:
         """Adjust the cap to one ``/metrics`` reading."""

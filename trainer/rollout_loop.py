@@ -118,7 +118,7 @@ class AsyncRolloutLoop:
         self.records = RecordBuffer()
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts, thread_name_prefix="tool")
         self.sampler = SamplerClient(config.vllm_server_base_url, max_connections=config.max_concurrent_rollouts,
-                                     timeout_s=config.vllm_server_timeout)
+                                     timeout_s=config.vllm_server_timeout, seed=config.seed)
         self.params = SamplingParams(
             max_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
             top_k=config.top_k, min_p=config.min_p, logprobs=config.num_sampler_logprobs,
@@ -266,7 +266,7 @@ class AsyncRolloutLoop:
         self._groups: set[asyncio.Task[None]] = set()
         try:
             await self.sampler.wait_ready(self.config.vllm_server_timeout)
-            await self.sampler.limits()
+            await self.sampler.model_name()
             self.cap = AdaptiveCap(self.config.max_concurrent_rollouts, self.kv_cache_tokens, self.max_model_len)
             self.allowance = TokenAllowance()
             self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int]] = asyncio.Queue(
@@ -311,7 +311,6 @@ class AsyncRolloutLoop:
         while True:
             load = await self.sampler.load()
             await self.cap.observe(load)
-            self.records.add("rollout/concurrency", self.cap.in_flight)
             self.records.add("rollout/concurrency_cap", self.cap.limit)
             if load is not None:
                 self.records.add("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
@@ -333,6 +332,7 @@ class AsyncRolloutLoop:
             self.records.add_rate("rollout/generated_tokens_per_s", self._generated_tokens - tokens_sent, now - t_last)
             tokens_sent, t_last = self._generated_tokens, now
             self.records.add("rollout/score_queue_size", self.score_queue.qsize())
+            self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
             batch = self.records.take()
             if batch:
                 self.channels.metrics_queue.put(batch)

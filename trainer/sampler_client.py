@@ -3,13 +3,20 @@
 Requests go to ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
 ``return_tokens_as_token_ids`` (else top-logprob keys of different tokens that decode to the same
 text collide), the top ``logprobs`` candidates and a fresh random ``seed`` per request (identical
-seeds would make data-parallel engines decode identical samples). Failed requests are retried
+seeds would make data-parallel engines decode identical samples; the seeds come from the client's
+own generator, seeded by the caller, so a run is reproducible). Failed requests are retried
 with exponential backoff; :attr:`SamplerClient.retry_count` feeds ``rollout/vllm_retry_count``.
+
+Completions and control requests (``/health``, ``/v1/models``, ``/metrics``) use two connection
+pools: the completions' pool holds one connection per rollout slot, so a ``/metrics`` poll never
+takes a rollout's connection or waits behind the completions (aiohttp would queue the request
+out of sight of the concurrency cap).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import time
@@ -23,6 +30,12 @@ from trainer.rollout_types import TurnRecord
 
 _PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$")
 _PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+logger = logging.getLogger(__name__)
+_CONTROL_CONNECTIONS = 4  # /health, /v1/models and /metrics: one at a time in practice
+# An idle pooled connection is dropped after this long, well inside vLLM's (uvicorn's) 5 s keep-alive:
+# a connection the server already closed, reused before a CPU-starved client loop has seen the close,
+# fails its request, which then waits out a retry backoff while holding a rollout slot.
+_KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -100,14 +113,17 @@ def _token_id(key: str) -> int:
 
 
 class SamplerClient:
-    """One aiohttp session to the vLLM server, sized to the rollout concurrency.
+    """HTTP sessions to the vLLM server: one for completions, sized to the rollout concurrency, one for control.
 
     Args:
         base_url: The server, e.g. ``http://127.0.0.1:8000``.
-        max_connections: Connection-pool size (the concurrency cap).
+        max_connections: Connection-pool size of the completions (the concurrency ceiling,
+            ``max_concurrent_rollouts``: the adaptive cap never exceeds it).
         timeout_s: Per-request timeout (``vllm_server_timeout``); a timed-out request is retried.
         max_retries: Retries per request before giving up with :class:`VLLMServerError`.
         backoff_s: First retry delay; doubles each retry (with jitter).
+        seed: Seeds the generator of the per-request sampling seeds and of the retry jitter;
+            ``None``: unseeded (not reproducible).
     """
 
     def __init__(
@@ -117,6 +133,7 @@ class SamplerClient:
         timeout_s: float = 1800.0,
         max_retries: int = 5,
         backoff_s: float = 0.5,
+        seed: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_connections = max_connections
@@ -126,7 +143,8 @@ class SamplerClient:
         self.retry_count = 0
         self.model: str | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._rng = random.Random()
+        self._control_session: aiohttp.ClientSession | None = None
+        self._rng = random.Random(seed)
 
     async def __aenter__(self) -> SamplerClient:
         return self
@@ -136,19 +154,30 @@ class SamplerClient:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The shared HTTP session (created on first use, inside the running loop)."""
+        """The completions' HTTP session (created on first use, inside the running loop)."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=_KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         return self._session
 
+    @property
+    def control_session(self) -> aiohttp.ClientSession:
+        """The session of ``/health``, ``/v1/models`` and ``/metrics`` (its own small pool)."""
+        if self._control_session is None or self._control_session.closed:
+            self._control_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=_CONTROL_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
+        return self._control_session
+
     async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the HTTP sessions."""
+        for session in (self._session, self._control_session):
+            if session is not None:
+                await session.close()
+        self._session = self._control_session = None
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Poll ``/health`` until it answers 200; :class:`VLLMServerError` after ``timeout_s``."""
@@ -156,7 +185,8 @@ class SamplerClient:
         last = ""
         while time.monotonic() < deadline:
             try:
-                async with self.session.get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                health = f"{self.base_url}/health"
+                async with self.control_session.get(health, timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
                         return
                     last = f"HTTP {r.status}"
@@ -167,16 +197,27 @@ class SamplerClient:
 
     async def limits(self) -> ServerLimits:
         """The served model name, ``max_model_len`` and KV-cache capacity in tokens."""
-        async with self.session.get(f"{self.base_url}/v1/models") as r:
-            models = await r.json()
-        first = models["data"][0]
-        self.model = first["id"]
+        first = await self._first_model()
         samples = parse_prometheus(await self._metrics_text())
         return ServerLimits(model=first["id"], max_model_len=int(first["max_model_len"]),
                             kv_cache_tokens=kv_cache_tokens(samples))
 
+    async def model_name(self) -> str:
+        """The served (base) model's name, fetched from ``/v1/models`` once and kept in :attr:`model`."""
+        if self.model is None:
+            await self._first_model()
+        assert self.model is not None
+        return self.model
+
+    async def _first_model(self) -> dict[str, Any]:
+        async with self.control_session.get(f"{self.base_url}/v1/models") as r:
+            models = await r.json()
+        first: dict[str, Any] = models["data"][0]
+        self.model = first["id"]
+        return first
+
     async def _metrics_text(self) -> str:
-        async with self.session.get(f"{self.base_url}/metrics") as r:
+        async with self.control_session.get(f"{self.base_url}/metrics") as r:
             if r.status != 200:
                 raise VLLMServerError(f"GET /metrics answered HTTP {r.status}")
             return await r.text()
@@ -192,12 +233,11 @@ class SamplerClient:
                        model: str | None = None) -> TurnRecord:
         """Sample one completion of ``prompt_ids``; retried on transport errors and 5xx.
 
-        ``model`` names a LoRA adapter loaded on the server; the base model when ``None``.
+        ``model`` names a LoRA adapter loaded on the server; the base model when ``None`` (its name
+        is fetched on the first request unless :meth:`model_name` or :meth:`limits` ran before).
         """
-        if model is None and self.model is None:
-            await self.limits()
         body: dict[str, Any] = {
-            "model": model or self.model,
+            "model": model or await self.model_name(),
             "prompt": prompt_ids,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -235,6 +275,7 @@ class SamplerClient:
                     f"POST {path} to {self.base_url} failed after {self.max_retries} retries", problem
                 )
             self.retry_count += 1
+            logger.warning("POST %s failed (%s); retry %d of %d", path, problem, attempt + 1, self.max_retries)
             await asyncio.sleep(delay * (0.5 + self._rng.random()))
             delay *= 2
         raise AssertionError("unreachable")

@@ -313,3 +313,57 @@ def test_room_counts_slots_promised_to_started_groups():
         assert cap.in_flight == 3 and cap.reserved == 0
 
     asyncio.run(scenario())
+
+
+# --- AdaptiveCap: time-weighted in-flight count (rollout/concurrency) ----------------------------
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_mean_in_flight_is_time_weighted_per_window():
+    clock = FakeClock()
+    cap = AdaptiveCap(8, None, 1000, clock=clock)
+
+    async def scenario() -> list[float]:
+        await cap.acquire()          # t=0: 1 in flight
+        clock.now = 2.0
+        await cap.acquire()          # t=2: 2
+        clock.now = 3.0
+        await cap.release()          # t=3: 1
+        clock.now = 4.0
+        first = cap.take_mean_in_flight()   # (1*2 + 2*1 + 1*1) / 4
+        clock.now = 6.0
+        second = cap.take_mean_in_flight()  # 1 throughout
+        await cap.release()
+        third = cap.take_mean_in_flight()   # an empty window: the current count
+        return [first, second, third]
+
+    assert asyncio.run(scenario()) == pytest.approx([1.25, 1.0, 0.0])
+
+
+def test_mean_in_flight_sees_a_stall_between_two_instants():
+    """Full at both ends of the window, empty in between: an instantaneous reading would say 2."""
+    clock = FakeClock()
+    cap = AdaptiveCap(2, None, 1000, clock=clock)
+
+    async def scenario() -> float:
+        await cap.acquire()
+        await cap.acquire()
+        cap.take_mean_in_flight()
+        clock.now = 1.0
+        await cap.release()
+        await cap.release()
+        clock.now = 9.0
+        await cap.acquire()
+        await cap.acquire()
+        clock.now = 10.0
+        return cap.take_mean_in_flight()
+
+    assert asyncio.run(scenario()) == pytest.approx((2 * 1 + 0 * 8 + 2 * 1) / 10)
