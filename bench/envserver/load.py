@@ -285,7 +285,7 @@ async def churn(proto: Any, workers: int, duration: float) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(workers)))
-    return {"workers": workers, "sessions_per_s": done / (time.perf_counter() - t0), "errors": errors}
+    return {"workers": workers, "sessions": done, "sessions_per_s": done / (time.perf_counter() - t0), "errors": errors}
 
 
 async def run(mode: str, proto: Toolgym | OpenEnv, count: int, duration: float) -> dict[str, Any]:

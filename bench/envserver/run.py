@@ -11,7 +11,9 @@ only against 127.0.0.1. OpenEnv is installed on first use into its own venv unde
 ``.cache/bench-openenv/`` (``pip install openenv==0.10.0 uvloop``). Figures per server: tool
 calls/s and call latency p50/p99 with 16, 256 and 1,024 sessions calling in a closed loop; the p50
 time to open a session (connect to first reset reply) with 1,024 opening at once; churn sessions/s
-(open, reset, one call, close; 32 workers); and sessions still alive after all that (worst round).
+(open, reset, one call, close; 32 workers) with the server's CPU time per churn session (user +
+system, all threads, from ``/proc``: the figure least moved by other jobs on a shared machine); and
+sessions still alive after all that (worst round).
 ``--baseline PATH`` adds the toolgym server of another checkout as one more column (a before/after
 with the same client in the same run).
 The servers take turns over ``--repeat`` rounds and the table shows each figure's median, since a
@@ -106,6 +108,14 @@ class Server:
             return int(_get(self.url + "/health")["sessions"])
         return int(_get(self.url + "/bench/live")["live"])
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads) the server process has used so far; NaN without /proc."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         """Terminate the server and wait for it."""
         self.process.terminate()
@@ -133,7 +143,10 @@ def measure(kind: str, sessions: list[int], duration: float, churn_workers: int,
         for count in sessions:
             results["calls"][count] = load("calls", kind, server.url, count, duration)
             print(f"  {kind} {count:>5} sessions: {json.dumps(results['calls'][count])}", flush=True)
+        cpu = server.cpu_seconds()
         results["churn"] = load("churn", kind, server.url, churn_workers, duration)
+        # The steadiest figure on a shared machine: contention slows a phase down, it barely changes this.
+        results["churn"]["server_cpu_ms"] = 1e3 * (server.cpu_seconds() - cpu) / max(results["churn"]["sessions"], 1)
         print(f"  {kind} churn: {json.dumps(results['churn'])}", flush=True)
         results["live"] = server.live()
         return results
@@ -167,6 +180,7 @@ def table(results: dict[str, dict[str, Any]], sessions: list[int]) -> str:
     row(f"session open p50 (s), {biggest} at once",
         [f"{results[k]['calls'][biggest]['open_p50_s']:.2f}" for k in kinds])
     row("churn sessions/s (open, reset, call, close)", [f"{results[k]['churn']['sessions_per_s']:,.0f}" for k in kinds])
+    row("server CPU per churn session (ms)", [f"{results[k]['churn']['server_cpu_ms']:.2f}" for k in kinds])
     row("errors (all phases)", [str(sum(c["errors"] for c in results[k]["calls"].values())
                                     + results[k]["churn"]["errors"]) for k in kinds])
     row("sessions alive afterwards (worst round)", [str(results[k]["live"]) for k in kinds])
