@@ -35,7 +35,6 @@ class EnvServer(uvicorn.Server):
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             ws=WebSocketProtocol,  # our own lean RFC 6455 protocol (envserver/_websocket.py)
             ws_max_size=config.hard_frame_limit, ws_ping_interval=20.0, ws_ping_timeout=20.0,
-            ws_per_message_deflate=False,  # small JSON frames: compression costs more than it saves
             timeout_graceful_shutdown=5.0, backlog=4096, lifespan="on",
             proxy_headers=False,  # nothing reads the client address; saves a middleware per request
         ))

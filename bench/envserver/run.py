@@ -51,8 +51,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback only)
+def _get(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback only)
         return json.loads(response.read())
 
 
@@ -104,9 +104,10 @@ class Server:
     def live(self) -> int:
         """Sessions (toolgym) or environment instances (OpenEnv) still alive, after 2 s to settle."""
         time.sleep(2)
+        # A generous timeout: a server still working through closes on a loaded machine answers late.
         if self.kind.startswith("toolgym"):
-            return int(_get(self.url + "/health")["sessions"])
-        return int(_get(self.url + "/bench/live")["live"])
+            return int(_get(self.url + "/health", timeout=60)["sessions"])
+        return int(_get(self.url + "/bench/live", timeout=60)["live"])
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system, all threads) the server process has used so far; NaN without /proc."""
