@@ -114,17 +114,17 @@ class Connection:
 
     def _hello(self, session: Session, resumed: bool) -> str:
         spec = session.spec
-        tail = self.table.hello_tails.get(spec.name)
-        if tail is None:  # everything after the per-session fields, encoded once per environment
+        parts = self.table.hello_parts.get(spec.name)
+        if parts is None:  # the fields that do not change between sessions, encoded once per environment
             config = self.table.config
+            env = protocol.dumps({"env": spec.name})[1:-1]
             limits = protocol.dumps({"limits": {
                 "call_timeout": config.call_timeout, "idle_timeout": config.idle_timeout,
-                "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes}})
-            env = protocol.dumps({"env": spec.name})
-            tail = self.table.hello_tails[spec.name] = f",{env[1:-1]},{limits[1:-1]},{spec.describe_json[1:]}"
+                "resume_grace": config.resume_grace, "max_frame_bytes": config.max_frame_bytes}})[1:-1]
+            parts = self.table.hello_parts[spec.name] = (env, f",{limits},{spec.describe_json[1:]}")
         # The session id is URL-safe base64, the rest numbers and literals: nothing to escape.
-        return (f'{{"op":"{Op.HELLO}","v":{protocol.PROTOCOL_VERSION},"session":"{session.id}",'
-                f'"resumed":{"true" if resumed else "false"},"last_id":{session.last_id}' + tail)
+        return (f'{{"op":"{Op.HELLO}","v":{protocol.PROTOCOL_VERSION},"session":"{session.id}",{parts[0]},'
+                f'"resumed":{"true" if resumed else "false"},"last_id":{session.last_id}{parts[1]}')
 
     async def _serve_frames(self, session: Session) -> None:
         receive, limit = self._receive, self.table.config.max_frame_bytes

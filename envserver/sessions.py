@@ -165,7 +165,7 @@ class SessionTable:
         self.pool = pool
         self.draining = False
         self._sessions: dict[str, Session] = {}
-        self.hello_tails: dict[str, str] = {}  # environment -> its pre-encoded part of hello (Connection)
+        self.hello_parts: dict[str, tuple[str, str]] = {}  # environment -> pre-encoded hello fields (Connection)
         self._slots = _Slots(config.max_sessions, config.max_waiting, metrics)
 
     def __len__(self) -> int:
