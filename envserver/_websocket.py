@@ -29,6 +29,7 @@ from typing import Any, Literal
 from urllib.parse import unquote
 
 from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import ClientDisconnected, get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
@@ -528,3 +529,27 @@ class WebSocketProtocol(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()
         self._close_timer = self.loop.call_later(_CLOSE_TIMEOUT, self.transport.close)
+
+
+class UpgradeFastPath(HttpToolsProtocol):
+    """uvicorn's httptools HTTP protocol, handing WebSocket upgrades straight to ``WebSocketProtocol``.
+
+    uvicorn parses an upgrade request with httptools (a Python callback per header), rebuilds its
+    bytes and hands them over to be parsed again. When a connection's first bytes are a complete
+    ``GET`` with ``Upgrade: websocket``, this hands over the bytes as they came: the WebSocket
+    protocol parses and checks the request once (``400``/``426`` when it is not a valid
+    handshake). Anything else, plain HTTP included, takes uvicorn's own path.
+    """
+
+    def data_received(self, data: bytes) -> None:
+        """Hand a whole upgrade request over at once; anything else to uvicorn's parser."""
+        if (self.cycle is None and data.startswith(b"GET ") and data.endswith(b"\r\n\r\n")
+                and self.ws_protocol_class is WebSocketProtocol and b"websocket" in data.lower()):
+            self.connections.discard(self)
+            self._unset_keepalive_if_required()
+            protocol = WebSocketProtocol(self.config, self.server_state, self.app_state, self.loop)
+            protocol.connection_made(self.transport)
+            protocol.data_received(data)
+            self.transport.set_protocol(protocol)
+            return
+        super().data_received(data)

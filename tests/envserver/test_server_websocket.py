@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -23,15 +24,21 @@ from toolgym_fixtures import health, make_server, request, ws_url
 class RawSocket:
     """A blocking WebSocket client that sends exactly the bytes it is told to."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None, split: bool = False) -> None:
         host, port = url.split("//")[1].split("/")[0].split(":")
         self.target = "/" + url.split("//")[1].split("/", 1)[1]
         self.key = base64.b64encode(os.urandom(16)).decode()
         fields = {"Host": f"{host}:{port}", "Upgrade": "websocket", "Connection": "Upgrade",
                   "Sec-WebSocket-Key": self.key, "Sec-WebSocket-Version": "13", **(headers or {})}
         self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.sock.sendall(f"GET {self.target} HTTP/1.1\r\n".encode()
-                          + b"".join(f"{k}: {v}\r\n".encode() for k, v in fields.items()) + b"\r\n")
+        request = (f"GET {self.target} HTTP/1.1\r\n".encode()
+                   + b"".join(f"{k}: {v}\r\n".encode() for k, v in fields.items()) + b"\r\n")
+        if split:  # in two TCP segments: the server's fast path does not apply, uvicorn's parser does
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.sendall(request[:20])
+            time.sleep(0.05)
+            request = request[20:]
+        self.sock.sendall(request)
         self.buffer = b""
 
     def response_head(self) -> tuple[int, dict[str, str]]:
@@ -99,9 +106,9 @@ class RawSocket:
         self.sock.close()
 
 
-def open_session(srv: Any) -> RawSocket:
+def open_session(srv: Any, split: bool = False) -> RawSocket:
     """A raw WebSocket with a fresh counter session (hello read)."""
-    raw = RawSocket(ws_url(srv, "counter"))
+    raw = RawSocket(ws_url(srv, "counter"), split=split)
     status, headers = raw.response_head()
     assert status == 101
     accept = base64.b64encode(hashlib.sha1((raw.key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
@@ -150,8 +157,9 @@ def test_a_websocket_to_another_path_is_refused_with_403(server):
     assert asyncio.run(scenario()) == 403
 
 
-def test_fragmented_masked_message_and_ping_are_answered(small):
-    raw = open_session(small)
+@pytest.mark.parametrize("split", [False, True], ids=["fast-path", "uvicorn-parser"])
+def test_fragmented_masked_message_and_ping_are_answered(small, split):
+    raw = open_session(small, split)
     frame = json.dumps({"id": 1, "op": "call", "tool": "increment", "args": {"step": 2}}).encode()
     raw.send_frame(0x1, frame[:10], fin=False)
     raw.send_frame(0x9, b"are you there")  # a control frame between the fragments
