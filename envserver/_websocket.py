@@ -169,7 +169,7 @@ class WebSocketProtocol(asyncio.Protocol):
             buffer = data
         if self.state == "handshake":
             end = buffer.find(b"\r\n\r\n")
-            if end < 0:
+            if end < 0:  # never with uvicorn: both ways in hand over a whole request head
                 self._keep(buffer, 0)
                 return
             head = bytes(buffer[:end])
@@ -212,8 +212,8 @@ class WebSocketProtocol(asyncio.Protocol):
             name, value = name.strip().lower(), value.strip()
             headers.append((name, value))
             fields[name] = fields[name] + b", " + value if name in fields else value
-        if len(parts) != 3 or parts[0] != b"GET":
-            self._reject(400, b"a WebSocket handshake is a GET request")
+        if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1":
+            self._reject(400, b"a WebSocket handshake is a GET request over HTTP/1.1")
             return
         if fields.get(b"upgrade", b"").lower() != b"websocket" or b"upgrade" not in [
                 token.strip() for token in fields.get(b"connection", b"").lower().split(b",")]:

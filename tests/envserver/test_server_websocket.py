@@ -138,6 +138,7 @@ def small():
 @pytest.mark.parametrize(("headers", "status"), [
     ({"Sec-WebSocket-Version": "8"}, 426),
     ({"Sec-WebSocket-Key": "too-short"}, 400),
+    ({"Connection": "keep-alive"}, 400),
 ])
 def test_bad_handshakes_get_an_http_error(server, headers, status):
     raw = RawSocket(ws_url(server, "counter"), headers)
