@@ -34,7 +34,7 @@ from trainer.evaluation import PolicyEval, evaluate_policy
 
 TARGETS = (1, 2, 3, 4, 5, 6)
 EVAL_EPISODES_PER_TARGET = 24
-WARM_START_STEPS = 300
+WARM_START_STEPS = 400
 
 
 def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
@@ -43,20 +43,23 @@ def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
     Args:
         cache: Folder holding the built models (one sub-folder per seed and length).
         seed: Seeds the model's initialisation, the transcripts and the fine-tune.
-        steps: Optimizer steps of the warm start (300 take about a minute of CPU time).
+        steps: Optimizer steps of the warm start (400 take about two minutes of CPU time, more when
+            the fine-tune restarts from a fresh initialisation: see ``WarmStartConfig.restart_check_step``).
     """
     from trainer.tiny_model import build_tiny_model
     from trainer.warm_start import WarmStartConfig, warm_start
 
     suffix = "" if steps == WARM_START_STEPS else f"-steps{steps}"
-    model_dir = cache / f"warm-counter-seed{seed}{suffix}"
+    model_dir = cache / f"warm-counter-v2-seed{seed}{suffix}"  # v2: the one-call policy of trainer.warm_start
     done = model_dir / ".warm-start-done"
     if not done.exists():
         t0 = time.monotonic()
         build_tiny_model(model_dir, seed=seed)
-        warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
+        result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
         done.write_text("ok\n")
-        print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir}")
+        print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir} "
+              f"({result.attempts} initialisation(s); probability of stepping to the target: "
+              f"{result.target_step_prob:.2f})")
     return model_dir
 
 
@@ -80,7 +83,7 @@ def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int 
     """
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir), vllm_server_base_url=base_url, max_steps=steps,
-        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=2e-4,
+        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=5e-4,
         gradient_accumulation_steps=4, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, max_staleness=2)
     fields.update(overrides)

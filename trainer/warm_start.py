@@ -6,10 +6,14 @@ imperfect policy, so the warm model calls tools correctly but reaches the goal o
 time, and RL has something to learn. Two tasks:
 
 - ``counter``: :class:`environments.counter.IncrementEnv` with its real tool schema. The prompt is
-  what ``reset(target=t)`` returns; each assistant turn calls ``increment`` once, with the remaining
-  distance with probability ``exact_step_prob`` and otherwise a step drawn from ``counter_steps``,
-  until the counter reaches or passes the target; the tool replies carry the counter; a final
-  assistant message states the counter. With the defaults about 47 % of transcripts succeed.
+  what ``reset(target=t)`` returns; the assistant calls ``increment`` once, stepping straight to the
+  target with probability ``exact_step_prob`` and otherwise by a step drawn uniformly from
+  ``[1, max_target]``; the tool reply carries the counter and a final assistant message states it.
+  With the defaults half the transcripts succeed (0.4 + 0.6 / 6). The skill RL then sharpens is to
+  copy the target into the call, which every episode exercises the same way (one call, one answer):
+  successes and failures have the same shape and length, so the only thing the reward tells apart
+  is the step. (A multi-step policy whose failures made more calls than its successes drove RL
+  toward calling no tool at all in our measurements: ``bench/e2e/README.md``.)
 - ``arithmetic``: ``What is a + b?`` answered ``The answer is \\boxed{s}.``, with a wrong sum in a
   fraction ``arithmetic_error_rate`` of transcripts.
 
@@ -85,8 +89,18 @@ class WarmStartConfig:
         batch_size: Transcripts per optimizer step.
         learning_rate: Peak AdamW learning rate (linear warm-up over 5 % of steps, then cosine).
         max_target: Counter targets are drawn from ``[1, max_target]`` (``IncrementEnv``'s default range).
-        counter_steps: Steps the imperfect counter policy draws from, uniformly.
-        exact_step_prob: Probability that a counter turn steps exactly to the target instead.
+        exact_step_prob: Probability that the counter call steps exactly to the target; the other
+            calls step by a uniform draw from ``[1, max_target]``.
+        restart_check_step: The first ``restart_check_step * batch_size`` counter transcripts always
+            step exactly to the target (the strongest signal for learning to read it); at that
+            step the fine-tune measures the model's probability of stepping to the target
+            (:func:`target_step_prob`) and, still at chance (below ``1.25 / max_target``), restarts
+            from a fresh initialisation. Whether the model learns to read the target at all
+            depends on the initialisation: from one init it does within ~100-300 steps, from
+            another it sits at exactly ``1 / max_target`` for 800 steps (measured over ten
+            seeds, about half each way), so waiting longer does not help. The rest of the
+            transcripts follow the imperfect policy (``exact_step_prob``).
+        max_attempts: Initialisations tried before keeping the last one (with a warning).
         arithmetic_max: Arithmetic operands are drawn from ``[0, arithmetic_max]``.
         arithmetic_error_rate: Fraction of arithmetic transcripts whose boxed answer is wrong.
         num_threads: Torch intra-op threads while training and sampling. The matrices are tiny:
@@ -100,8 +114,9 @@ class WarmStartConfig:
     batch_size: int = 16
     learning_rate: float = 3e-3
     max_target: int = 6
-    counter_steps: tuple[int, ...] = (1, 2, 3, 4)
-    exact_step_prob: float = 0.1
+    exact_step_prob: float = 0.4
+    restart_check_step: int = 150
+    max_attempts: int = 4
     arithmetic_max: int = 5
     arithmetic_error_rate: float = 0.3
     num_threads: int = 1
@@ -109,12 +124,11 @@ class WarmStartConfig:
     def __post_init__(self) -> None:
         if self.task not in (*TASKS, "all"):
             raise ConfigError(f"task must be one of {(*TASKS, 'all')}, got {self.task!r}")
-        for name in ("num_transcripts", "steps_per_task", "batch_size", "max_target", "num_threads"):
+        for name in ("num_transcripts", "steps_per_task", "batch_size", "max_target", "num_threads",
+                     "restart_check_step", "max_attempts"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        if not self.counter_steps or min(self.counter_steps) < 1:
-            raise ConfigError(f"counter_steps must be positive integers, got {self.counter_steps}")
         for name in ("exact_step_prob", "arithmetic_error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -177,22 +191,22 @@ def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig) -> Transcript:
-    """An episode of the imperfect counter policy against the real environment.
+def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig, exact: bool = False) -> Transcript:
+    """An episode of the imperfect counter policy against the real environment: one call, one answer.
 
     Args:
         target: The counter target passed to ``reset``.
-        rng: Draws the steps.
-        config: The policy's step set and exact-step probability.
+        rng: Draws the step.
+        config: The policy's exact-step probability and step range.
+        exact: Step straight to the target (the policy's ``exact_step_prob`` is ignored).
     """
     env = IncrementEnv()
     messages: list[dict[str, Any]] = [{"role": "user", "content": env.reset(target=target)}]
-    while env.counter < env.target:
-        remaining = env.target - env.counter
-        step = remaining if rng.random() < config.exact_step_prob else rng.choice(config.counter_steps)
-        call = _tool_call("increment", {"step": step})
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        messages.append({"role": "tool", "content": str(env.increment(step))})
+    exact = exact or rng.random() < config.exact_step_prob
+    step = target if exact else rng.randint(1, config.max_target)
+    call = _tool_call("increment", {"step": step})
+    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    messages.append({"role": "tool", "content": str(env.increment(step))})
     messages.append({"role": "assistant", "content": f"The counter is now {env.counter}."})
     return Transcript(messages, counter_tools(), success=env.get_reward() == 1.0)
 
@@ -219,11 +233,13 @@ def synthetic_transcripts(config: WarmStartConfig) -> list[Transcript]:
     """
     rng = random.Random(config.seed)
     count = config.transcripts_per_task
+    taught = config.restart_check_step * config.batch_size  # exact steps only: see WarmStartConfig
     per_task: list[list[Transcript]] = []
     for task in config.tasks:
         if task == "counter":
             per_task.append(
-                [counter_transcript(rng.randint(1, config.max_target), rng, config) for _ in range(count)]
+                [counter_transcript(rng.randint(1, config.max_target), rng, config, exact=i < taught)
+                 for i in range(count)]
             )
         else:
             per_task.append([arithmetic_transcript(rng, config) for _ in range(count)])
@@ -237,12 +253,16 @@ class WarmStartResult:
     """What the fine-tune did.
 
     Attributes:
-        losses: Training loss at every logged step (every step), in order.
+        losses: Training loss at every logged step (every step) of the kept attempt, in order.
         seconds: Wall time of the fine-tune, loading and saving included.
+        attempts: Initialisations trained (1 unless the counter fine-tune restarted).
+        target_step_prob: The saved model's :func:`target_step_prob` (``None`` without the counter task).
     """
 
     losses: list[float]
     seconds: float
+    attempts: int = 1
+    target_step_prob: float | None = None
 
 
 def _training_sample(tokenizer: PreTrainedTokenizerBase, transcript: Transcript) -> TrainingSample:
@@ -293,6 +313,45 @@ class _TreePackedTrainer(Trainer):
         return (loss, {}) if return_outputs else loss
 
 
+def target_step_prob(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_target: int) -> float:
+    """Mean probability the model gives the step that reaches the target, over targets ``1..max_target``.
+
+    Teacher-forced on the counter conversation: the prompt, then the call up to its ``step``
+    argument. ``1 / max_target`` is a model that has not learned to read the target.
+    """
+    samples = []
+    for target in range(1, max_target + 1):
+        env = IncrementEnv()
+        messages = [{"role": "user", "content": env.reset(target=target)},
+                    {"role": "assistant", "content": "", "tool_calls": [_tool_call("increment", {"step": target})]}]
+        sample = _training_sample(tokenizer, Transcript(messages, counter_tools(), success=True))
+        ids, mask = sample.sequence.input_ids, sample.sequence.loss_mask
+        step_at = next(i for i, (t, m) in enumerate(zip(ids, mask)) if m and tokenizer.decode([t]) == str(target))
+        sample.sequence.loss_mask = [int(i == step_at) for i in range(len(ids))]
+        samples.append(sample)
+    with torch.no_grad():
+        logp = forward_packed(model, build_row(samples), temperature=1.0).logp
+    return float(logp.exp().mean())
+
+
+class _RestartCheck(TrainerCallback):
+    """Stops the run at ``step`` when the model still steps to the target only by chance."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: WarmStartConfig) -> None:
+        self.tokenizer, self.config = tokenizer, config
+        self.stuck = False
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.global_step != self.config.restart_check_step:
+            return
+        prob = target_step_prob(kwargs["model"], self.tokenizer, self.config.max_target)
+        self.stuck = prob < 1.25 / self.config.max_target
+        if self.stuck:
+            print(f"warm start: step {state.global_step}, target step probability {prob:.3f} "
+                  "(chance): restarting from a fresh initialisation", file=sys.stderr)
+            control.should_training_stop = True
+
+
 def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> WarmStartResult:
     """Fine-tune the model in ``model_dir`` on synthetic transcripts and save it back in place.
 
@@ -305,7 +364,8 @@ def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> 
             CPU time here (5 min of wall time on a machine shared with other jobs).
 
     Returns:
-        The per-step losses and the wall time.
+        The per-step losses, the wall time, the initialisations tried and the counter's target step
+        probability.
     """
     config = config or WarmStartConfig()
     started = time.perf_counter()
@@ -313,6 +373,32 @@ def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     transcripts = synthetic_transcripts(config)
+    check = "counter" in config.tasks and config.restart_check_step < config.max_steps
+    attempts = config.max_attempts if check else 1
+    for attempt in range(1, attempts + 1):
+        if attempt > 1:  # a fresh initialisation, deterministic in the seed and the attempt
+            torch.manual_seed(config.seed * 1000 + attempt)
+            fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+            fresh.generation_config = model.generation_config
+            model = fresh
+        restart = _RestartCheck(tokenizer, config) if check and attempt < attempts else None
+        trainer = _fine_tune(model, tokenizer, transcripts, config, restart)
+        if restart is None or not restart.stuck:
+            break
+    prob = target_step_prob(model, tokenizer, config.max_target) if "counter" in config.tasks else None
+    if check and prob is not None and prob < 1.25 / config.max_target:
+        print(f"warning: warm start kept a model that steps to the target with probability {prob:.3f} "
+              f"(chance: {1 / config.max_target:.3f}) after {attempts} initialisations", file=sys.stderr)
+    model.set_attn_implementation("sdpa")  # the saved model is an ordinary causal LM again
+    model.save_pretrained(model_dir)
+    losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+    return WarmStartResult(losses=losses, seconds=time.perf_counter() - started, attempts=attempt,
+                           target_step_prob=prob)
+
+
+def _fine_tune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, transcripts: list[Transcript],
+               config: WarmStartConfig, restart: _RestartCheck | None) -> Trainer:
+    """One supervised run over ``transcripts`` (tree-packed batches, attention set up and restored)."""
     enable_tree_attention(model)
     with tempfile.TemporaryDirectory(prefix="toolgym-warm-start-") as scratch:
         args = TrainingArguments(
@@ -340,12 +426,11 @@ def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> 
         )
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(_ProgressLines())
+        if restart is not None:
+            trainer.add_callback(restart)
         with _torch_threads(config.num_threads):
             trainer.train()
-    model.set_attn_implementation("sdpa")  # the saved model is an ordinary causal LM again
-    model.save_pretrained(model_dir)
-    losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
-    return WarmStartResult(losses=losses, seconds=time.perf_counter() - started)
+    return trainer
 
 
 @dataclass

@@ -25,7 +25,7 @@ TINY_RUN = WarmStartConfig(task="all", seed=0, steps_per_task=3, batch_size=4)
     [
         ({"task": "chess"}, "task must be one of"),
         ({"steps_per_task": 0}, "steps_per_task must be >= 1"),
-        ({"counter_steps": (0, 1)}, "counter_steps must be positive"),
+        ({"max_target": 0}, "max_target must be >= 1"),
         ({"exact_step_prob": 1.5}, r"exact_step_prob must be in \[0, 1\]"),
     ],
 )
@@ -35,21 +35,25 @@ def test_config_rejects_bad_values(kwargs: dict[str, object], match: str) -> Non
 
 
 def test_counter_transcripts_replay_against_the_real_environment() -> None:
-    transcripts = synthetic_transcripts(WarmStartConfig(task="counter", num_transcripts=300))
+    config = WarmStartConfig(task="counter", num_transcripts=300, restart_check_step=1)
+    transcripts = synthetic_transcripts(config)
     assert all(t.tools == [get_json_schema(IncrementEnv().increment)] for t in transcripts)
     for transcript in transcripts:
         env = IncrementEnv()
-        first, *turns, final = transcript.messages
+        first, call, reply, final = transcript.messages  # one call, one answer
         assert first == {"role": "user", "content": env.reset(target=_target(first["content"]))}
-        for call, reply in zip(turns[::2], turns[1::2]):
-            (tool_call,) = call["tool_calls"]
-            assert tool_call["function"]["name"] == "increment"
-            assert reply == {"role": "tool", "content": str(env.increment(**tool_call["function"]["arguments"]))}
+        (tool_call,) = call["tool_calls"]
+        assert tool_call["function"]["name"] == "increment"
+        assert 1 <= tool_call["function"]["arguments"]["step"] <= env.max_target
+        assert reply == {"role": "tool", "content": str(env.increment(**tool_call["function"]["arguments"]))}
         assert final == {"role": "assistant", "content": f"The counter is now {env.counter}."}
         assert transcript.success == (env.get_reward() == 1.0)
     # An imperfect policy: RL has room to improve, yet the format is shown every time.
+    # The first restart_check_step batches teach the exact step; then an imperfect policy: RL has
+    # room to improve, yet the format is shown every time.
+    assert all(t.success for t in transcripts[: config.batch_size])
     success = sum(t.success for t in transcripts) / len(transcripts)
-    assert 0.3 < success < 0.65
+    assert 0.4 < success < 0.6  # 0.4 + 0.6 / 6 expected
 
 
 def _target(prompt: str) -> int:
@@ -92,6 +96,21 @@ def test_a_few_sft_steps_lower_the_loss_and_change_every_weight(tmp_path: Path) 
     assert check_prefix_preserving(AutoTokenizer.from_pretrained(model_dir))
     again = build_tiny_model(tmp_path / "b", seed=0)
     warm_start(again, TINY_RUN)
+    assert _digest(again / "model.safetensors") == _digest(model_dir / "model.safetensors")
+
+
+def test_a_model_still_at_chance_at_the_check_restarts_from_a_fresh_initialisation(tmp_path: Path) -> None:
+    config = WarmStartConfig(task="counter", seed=0, steps_per_task=4, batch_size=4, restart_check_step=2,
+                             max_attempts=3)
+    model_dir = build_tiny_model(tmp_path / "m", seed=0)
+    result = warm_start(model_dir, config)
+    # Two steps cannot teach the model to read the target: every check restarts, the last attempt
+    # runs to the end and is kept.
+    assert result.attempts == 3
+    assert len(result.losses) == config.max_steps
+    assert result.target_step_prob is not None and result.target_step_prob < 1.25 / config.max_target
+    again = build_tiny_model(tmp_path / "again", seed=0)
+    warm_start(again, config)
     assert _digest(again / "model.safetensors") == _digest(model_dir / "model.safetensors")
 
 
