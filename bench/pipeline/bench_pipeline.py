@@ -18,7 +18,10 @@ Prints, measured in the same run against the same server:
    the client's side), the server's mean running requests (``/metrics`` sampled every 0.5 s),
    the share of the window the client's event-loop thread spent runnable but not running (its
    run-queue delay, ``/proc/.../schedstat``: CPU starvation on a shared machine), and for the
-   worker its concurrency cap over the window and its request retries;
+   worker its concurrency cap over the window and its request retries. On a shared machine the
+   server's own speed moves with its neighbours' load between two windows; the median ratio of
+   the server's running requests (worker window / raw window) is printed too: how well the
+   worker keeps the server fed, whatever the server's speed;
 2. the trainer's idle fraction, sum(``perf/rollout_wait_s``) / sum(``perf/step_s``), over the same
    number of steps with ``max_staleness=4`` and with ``max_staleness=0``.
 """
@@ -171,7 +174,7 @@ async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurren
 
         await asyncio.gather(mark(), *(loop() for _ in range(concurrency)))
         return Window(tokens / seconds, marks["in_flight"], watch.mean_running(*window),
-                      _frac(marks["delay0"], marks["delay1"], seconds), marks["load"])
+                      _frac(marks["delay0"], marks["delay1"], seconds), marks["load"], retries=client.retry_count)
 
 
 def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any, warmup: float,
@@ -263,7 +266,7 @@ def main() -> None:
                 max_completion_length=MAX_TOKENS, max_concurrent_rollouts=args.concurrency, report_to="none",
                 use_cpu=True)
             limits = server_limits(server.base_url)
-            raws, workers = [], []
+            raws, workers, fed = [], [], []
             with ServerWatch(server.base_url) as watch:
                 for i in range(args.rounds):
                     raw_window = asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency,
@@ -272,6 +275,7 @@ def main() -> None:
                                                         watch, limits)
                     raws.append(raw_window.tokens_per_s)
                     workers.append(worker_window.tokens_per_s)
+                    fed.append(worker_window.server_running / raw_window.server_running)
                     print(f"round {i + 1}: raw {raws[-1]:,.0f} tok/s ({raw_window.evidence()})\n"
                           f"         worker {workers[-1]:,.0f} tok/s ({worker_window.evidence()})", flush=True)
             raw, via_worker = statistics.median(raws), statistics.median(workers)
@@ -279,7 +283,8 @@ def main() -> None:
                 idle4, step4 = idle_fraction(server, model_dir, str(Path(tmp) / "s4"), args.steps, 4)
                 idle0, step0 = idle_fraction(server, model_dir, str(Path(tmp) / "s0"), args.steps, 0)
     print(f"generated tokens/s @ {args.concurrency} (median of {args.rounds}): raw {raw:,.0f}, through the rollout "
-          f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x)")
+          f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x); server running requests, worker / raw window "
+          f"(median): {statistics.median(fed):.2f}x")
     if not args.steps:
         return
     print(f"trainer idle fraction over {args.steps - 1} steps: max_staleness=4 {idle4:.1%} ({step4:.1f} s/step), "
