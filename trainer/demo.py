@@ -12,7 +12,7 @@
 
 Every process it starts is stopped when it returns::
 
-    toolgym demo [--cache .cache] [--steps 25] [--seed 0]
+    toolgym demo [--cache .cache] [--steps 15] [--seed 0]
 
 The building blocks (:func:`warm_model`, :func:`counter_config`, :func:`evaluate_counter`,
 :func:`serve_policy`, :func:`learning_run`) are shared with the end-to-end tests
@@ -83,7 +83,7 @@ def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int 
     """
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir), vllm_server_base_url=base_url, max_steps=steps,
-        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=5e-4,
+        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=3e-4,
         gradient_accumulation_steps=4, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, max_staleness=2)
     fields.update(overrides)
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
     """Run the demo; returns the exit status."""
     parser = argparse.ArgumentParser(prog="toolgym demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", default=".cache", help="where the warm-started model is built and reused")
-    parser.add_argument("--steps", type=int, default=25, help="optimizer steps of the training run")
+    parser.add_argument("--steps", type=int, default=15, help="optimizer steps of the training run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="outputs/demo", help="checkpoint-free run folder (plots, logs)")
     args = parser.parse_args(argv)

@@ -9,11 +9,12 @@ time, and RL has something to learn. Two tasks:
   what ``reset(target=t)`` returns; the assistant calls ``increment`` once, stepping straight to the
   target with probability ``exact_step_prob`` and otherwise by a step drawn uniformly from
   ``[1, max_target]``; the tool reply carries the counter and a final assistant message states it.
-  With the defaults half the transcripts succeed (0.4 + 0.6 / 6). The skill RL then sharpens is to
-  copy the target into the call, which every episode exercises the same way (one call, one answer):
-  successes and failures have the same shape and length, so the only thing the reward tells apart
-  is the step. (A multi-step policy whose failures made more calls than its successes drove RL
-  toward calling no tool at all in our measurements: ``bench/e2e/README.md``.)
+  With the defaults half the transcripts succeed (0.4 + 0.6 / 6), after a teaching phase where
+  every call is exact (``WarmStartConfig.restart_check_step``). The skill RL then sharpens is
+  reading the target into the call, which every episode exercises the same way (one call, one
+  answer): successes and failures have the same shape and length, so the reward tells apart only
+  the step. The earlier multi-step policy (random steps until the counter reached the target)
+  learned slowly and unreliably under RL; see ``bench/e2e/README.md`` for the study.
 - ``arithmetic``: ``What is a + b?`` answered ``The answer is \\boxed{s}.``, with a wrong sum in a
   fraction ``arithmetic_error_rate`` of transcripts.
 

@@ -24,7 +24,7 @@ from trainer.reporting import ProgressCallback
 from trainer.train_cli import serve_environment
 from trainer.vllm_server import VLLMServer, VLLMServerConfig
 
-TEST_STEPS = 20
+TEST_STEPS = 15
 TEST_EPISODES_PER_TARGET = 12
 
 
