@@ -259,6 +259,7 @@ class SamplerClient:
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = self.backoff_s
         for attempt in range(self.max_retries + 1):
+            reused_connection_closed = False
             try:
                 async with self.session.post(f"{self.base_url}{path}", json=body) as r:
                     text = await r.text()
@@ -270,12 +271,17 @@ class SamplerClient:
                     problem = f"HTTP {r.status}: {text[:500]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 problem = repr(e)
+                reused_connection_closed = isinstance(e, aiohttp.ServerDisconnectedError)
             if attempt == self.max_retries:
                 raise VLLMServerError(
                     f"POST {path} to {self.base_url} failed after {self.max_retries} retries", problem
                 )
             self.retry_count += 1
             logger.warning("POST %s failed (%s); retry %d of %d", path, problem, attempt + 1, self.max_retries)
+            if reused_connection_closed and attempt == 0:
+                # Most often a pooled keep-alive connection the server closed just as it was reused:
+                # a fresh connection succeeds at once, so the first such retry does not back off.
+                continue
             await asyncio.sleep(delay * (0.5 + self._rng.random()))
             delay *= 2
         raise AssertionError("unreachable")

@@ -22,6 +22,7 @@ class FakeVLLM:
         self.hold = asyncio.Event()
         self.hold.set()
         self.holding = asyncio.Event()
+        self.drop_next = False
 
     async def models(self, request: web.Request) -> web.Response:
         self.hits["models"] += 1
@@ -34,6 +35,11 @@ class FakeVLLM:
     async def completions(self, request: web.Request) -> web.Response:
         self.hits["completions"] += 1
         self.bodies.append(await request.json())
+        if self.drop_next:  # close the connection without answering, as a server closing keep-alive does
+            self.drop_next = False
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if not self.hold.is_set():
             self.holding.set()
             await self.hold.wait()
@@ -113,3 +119,19 @@ def test_metrics_poll_does_not_wait_for_a_completion_connection():
     running, still_running = asyncio.run(scenario())
     assert running == 3
     assert still_running
+
+
+def test_a_connection_closed_under_a_request_is_retried_at_once() -> None:
+    async def go() -> None:
+        server = FakeVLLM()
+        runner, url = await server.start()
+        server.drop_next = True
+        try:
+            async with SamplerClient(url, backoff_s=60.0) as client:  # a backed-off retry would hit the timeout
+                turn = await asyncio.wait_for(client.complete([1, 2], PARAMS), timeout=20)
+            assert turn.output_ids == [5, 6]
+            assert client.retry_count == 1 and server.hits["completions"] == 2
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
