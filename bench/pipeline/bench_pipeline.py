@@ -283,8 +283,11 @@ def main() -> None:
                 idle4, step4 = idle_fraction(server, model_dir, str(Path(tmp) / "s4"), args.steps, 4)
                 idle0, step0 = idle_fraction(server, model_dir, str(Path(tmp) / "s0"), args.steps, 0)
     print(f"generated tokens/s @ {args.concurrency} (median of {args.rounds}): raw {raw:,.0f}, through the rollout "
-          f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x); server running requests, worker / raw window "
-          f"(median): {statistics.median(fed):.2f}x")
+          f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x); per round, worker / raw "
+          f"{', '.join(f'{w / r:.2f}x' for r, w in zip(raws, workers))} (median "
+          f"{statistics.median(w / r for r, w in zip(raws, workers)):.2f}x: each round's windows are adjacent, "
+          f"so the paired ratio is the one the machine's drifting load disturbs least); server running "
+          f"requests, worker / raw window (median): {statistics.median(fed):.2f}x")
     if not args.steps:
         return
     print(f"trainer idle fraction over {args.steps - 1} steps: max_staleness=4 {idle4:.1%} ({step4:.1f} s/step), "
