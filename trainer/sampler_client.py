@@ -156,21 +156,21 @@ class SamplerClient:
     def session(self) -> aiohttp.ClientSession:
         """The completions' HTTP session (created on first use, inside the running loop)."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
+            self._session = self._new_session(self.max_connections)
         return self._session
 
     @property
     def control_session(self) -> aiohttp.ClientSession:
         """The session of ``/health``, ``/v1/models`` and ``/metrics`` (its own small pool)."""
         if self._control_session is None or self._control_session.closed:
-            self._control_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=_CONTROL_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
+            self._control_session = self._new_session(_CONTROL_CONNECTIONS)
         return self._control_session
+
+    def _new_session(self, connections: int) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=_KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
 
     async def close(self) -> None:
         """Close the HTTP sessions."""

@@ -3,7 +3,6 @@ adapter (real vLLM CPU server, one for this module)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import re
 from collections.abc import Iterator
@@ -16,14 +15,14 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.trainer.test_lora_sync import _logprobs, _sample
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.errors import ConfigError, WeightSyncError
 from trainer.lora_sync import LORA_CACHE_DIR, LoRAAdapterSync, adapter_name, server_lora_config
-from trainer.sampler_client import SamplerClient, SamplingParams, parse_prometheus
+from trainer.sampler_client import parse_prometheus
 from trainer.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.weight_sync import VLLMAdminClient
 
-PROMPT = [5, 17, 42, 99, 7]
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 MAX_LORAS = 3  # fits max_staleness=1 (1 + 2)
 
@@ -55,23 +54,6 @@ def _randomise_adapter(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.3)
-
-
-def _sample(base_url: str, model: str | None) -> tuple[list[int], list[float]]:
-    async def go() -> tuple[list[int], list[float]]:
-        async with SamplerClient(base_url) as client:
-            params = SamplingParams(max_tokens=12, temperature=1.0, logprobs=1)
-            turn = await client.complete(PROMPT, params, seed=5, model=model)
-            return turn.output_ids, turn.output_log_probs
-
-    return asyncio.run(go())
-
-
-def _logprobs(model: torch.nn.Module, output: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([PROMPT + output])).logits[0].float(), dim=-1)
-    positions = torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + len(output))
-    return logp[positions, torch.tensor(output)]
 
 
 def _merged_logprobs(model: PeftModel, output: list[int]) -> torch.Tensor:

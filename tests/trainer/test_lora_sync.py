@@ -25,10 +25,12 @@ def zero_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [0.0] * len(completions)
 
 
-def _sample(base_url: str) -> tuple[list[int], list[float]]:
+def _sample(base_url: str, model: str | None = None) -> tuple[list[int], list[float]]:
+    """12 tokens sampled after ``PROMPT`` (seed 5) from ``model`` (default: the served model)."""
     async def go() -> tuple[list[int], list[float]]:
         async with SamplerClient(base_url) as client:
-            turn = await client.complete(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, logprobs=1), seed=5)
+            params = SamplingParams(max_tokens=12, temperature=1.0, logprobs=1)
+            turn = await client.complete(PROMPT, params, seed=5, model=model)
             return turn.output_ids, turn.output_log_probs
 
     return asyncio.run(go())
