@@ -76,6 +76,12 @@ class AsyncGRPOConfig(TrainingArguments):
     max_completion_length: int = field(
         default=2048, metadata={"help": "Most tokens generated per vLLM request (per turn of a multi-turn rollout)."}
     )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Leave out of the loss every rollout whose last turn was cut at max_completion_length "
+                  "(no EOS); it still counts in its group's advantages. Without it, a truncated rollout that "
+                  "reached the goal before rambling is reinforced, rambling included."},
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(
         default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; < 1 requires top_k (see SPEC §6)."}

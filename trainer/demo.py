@@ -7,7 +7,8 @@
 3. Measures the success rate on fresh evaluation episodes (sampled at temperature 1, never
    trained on) through those servers.
 4. Trains with ``AsyncGRPOTrainer`` against the *remote* environment (spawned rollout worker,
-   weight syncs into the server every step), with a progress table.
+   weight syncs into the server every step), with a progress table. The reward is the
+   environment's plus a penalty for failed tool calls (:func:`trainer.rewards.tool_error_penalty`).
 5. Measures the success rate again and prints the before/after table and the plots.
 
 Every process it starts is stopped when it returns::
@@ -83,7 +84,8 @@ def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int 
     """
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir), vllm_server_base_url=base_url, max_steps=steps,
-        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, learning_rate=3e-4,
+        num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, mask_truncated_completions=True,
+        learning_rate=3e-4,
         gradient_accumulation_steps=4, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, max_staleness=2)
     fields.update(overrides)
@@ -144,6 +146,10 @@ def learning_run(model_dir: str | Path, environment_factory: Any, config: AsyncG
                  before: PolicyEval | None = None) -> LearningRun:
     """Evaluate the served policy, train it on the counter task, evaluate again.
 
+    The training reward is the environment's ``get_reward`` (1.0 at the target) plus
+    :func:`trainer.rewards.tool_error_penalty` (-0.5 for a rollout with a failed call); the
+    evaluations count the environment's reward only.
+
     The server at ``config.vllm_server_base_url`` must already serve ``model_dir``'s weights
     (see :func:`serve_policy`); the trainer leaves its final weights there.
 
@@ -159,12 +165,13 @@ def learning_run(model_dir: str | Path, environment_factory: Any, config: AsyncG
     from transformers.trainer_callback import PrinterCallback
 
     from trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from trainer.rewards import tool_error_penalty
 
     base_url = config.vllm_server_base_url
     if before is None:
         before = evaluate_counter(base_url, model_dir, environment_factory, episodes_per_target)
     trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
-                               processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               reward_funcs=tool_error_penalty, processing_class=AutoTokenizer.from_pretrained(model_dir),
                                environment_factory=environment_factory, callbacks=list(callbacks))
     trainer.remove_callback(PrinterCallback)
     t0 = time.monotonic()

@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["accuracy_reward"]
+from trainer.tool_runner import TOOL_ERROR_PREFIX
+
+__all__ = ["TOOL_ERROR_PENALTY", "accuracy_reward", "tool_error_penalty"]
 
 logger = logging.getLogger(__name__)
+
+TOOL_ERROR_PENALTY = 0.5
 
 
 def _last_text(completion: list[dict[str, Any]] | str) -> str:
@@ -54,3 +58,28 @@ def accuracy_reward(completions: list[list[dict[str, Any]]], solution: list[str]
         answer = parse(_last_text(completion), parsing_timeout=None)  # type: ignore[arg-type]
         rewards.append(float(verify(gold_parsed, answer, timeout_seconds=None)))
     return rewards
+
+
+def tool_error_penalty(completions: list[list[dict[str, Any]]], **kwargs: Any) -> list[float]:
+    """``-TOOL_ERROR_PENALTY`` (-0.5) for a rollout with a failed tool call, else 0.0.
+
+    A failed call is one whose tool message opens with the trainer's error prefix (``Error: ``): a
+    malformed call, an unknown tool name, wrong arguments or a tool that raised. Used beside an
+    environment's ``get_reward`` (rewards are summed), it stops failed calls from being free. The
+    demo's counter policy showed why that matters: a rollout that reached its target and then
+    emitted garbage calls (which change nothing, so the reward stays 1.0) was reinforced, garbage
+    included, until the policy opened every turn with repeated ``<tool_call>`` tokens and its
+    success fell from 0.6 to 0.2. With the penalty a clean success (1.0) beats a messy one (0.5),
+    which beats a clean failure (0.0).
+
+    Args:
+        completions: Completions in conversational format (tool messages included).
+        **kwargs: Other columns, ignored.
+
+    Returns:
+        One reward per completion.
+    """
+    def failed(message: dict[str, Any]) -> bool:
+        return message.get("role") == "tool" and str(message.get("content", "")).startswith(TOOL_ERROR_PREFIX)
+
+    return [-TOOL_ERROR_PENALTY if any(failed(m) for m in completion) else 0.0 for completion in completions]

@@ -421,7 +421,7 @@ class AsyncRolloutLoop:
             completions_sequences=sequences, tool_call_counts=[r.tool_call_count for r in rollouts],
             tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version, group_id=position,
             row_index=row_index, env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
-            queued_at=time.monotonic(),
+            queued_at=time.monotonic(), truncated=[r.truncated(self.eos_token_ids) for r in rollouts],
         )
         t0 = time.monotonic()
         await self.score_queue.put((group, rollouts, position))
@@ -540,6 +540,8 @@ class AsyncRolloutLoop:
             return queued
         now = time.time()
         for i, seqs in enumerate(group.completions_sequences):
+            if self.config.mask_truncated_completions and group.truncated[i]:
+                continue  # scored with its group above, trained on by nobody
             for seq in seqs:
                 queued.samples.append(TrainingSample(
                     sequence=seq, advantage=float(advantages[i]), group_id=position,

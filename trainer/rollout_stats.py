@@ -19,8 +19,7 @@ def record_rollout_metrics(
 ) -> None:
     """``completions/*`` lengths, ``rollout/turns_*``, samples per rollout, forks and drift, tool calls."""
     length = len(rollout.completion_ids)  # generated tokens only: tool results are not counted
-    last = rollout.turns[-1] if rollout.turns else None
-    terminated = bool(last and last.output_ids and last.output_ids[-1] in eos_token_ids)
+    terminated = not rollout.truncated(eos_token_ids)
     for stat in ("mean_length", "min_length", "max_length"):
         records.add(f"completions/{stat}", length)
     if terminated:

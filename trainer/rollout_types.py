@@ -69,6 +69,11 @@ class Rollout:
     reward: float | None = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
+    def truncated(self, eos_token_ids: list[int]) -> bool:
+        """True when the last turn did not end with an EOS token (cut at ``max_completion_length``)."""
+        last = self.turns[-1] if self.turns else None
+        return not (last and last.output_ids and last.output_ids[-1] in eos_token_ids)
+
 
 @dataclass
 class TrainingSequence:
@@ -123,6 +128,7 @@ class RolloutGroup:
             and its reward; otherwise ``None``.
         rollout_rewards: ``Rollout.reward`` of each rollout.
         queued_at: ``time.monotonic()`` when the group was queued for scoring.
+        truncated: Whether each rollout's last turn was cut without EOS (:meth:`Rollout.truncated`).
         rewards: Total reward of each rollout summed over every source, NaN when no source scored
             it. Set before ``compute_advantages`` is called.
     """
@@ -140,6 +146,7 @@ class RolloutGroup:
     env_rewards: list[tuple[type, float] | None]
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
+    truncated: list[bool] = field(default_factory=list)
     rewards: np.ndarray | None = None
 
 

@@ -24,6 +24,9 @@ from sdk.exceptions import ToolCallError, ToolgymError, UnknownToolError
 from sdk.tools import Tool, tool_from_function
 
 
+TOOL_ERROR_PREFIX = "Error: "  # opens every tool message of a failed call (see trainer.rewards.tool_error_penalty)
+
+
 def tools_from_functions(funcs: Sequence[Callable[..., Any]] | None) -> list[Tool]:
     """Describe the trainer's ``tools=[...]`` (registered by ``__name__``)."""
     return [tool_from_function(f) for f in funcs or []]
@@ -79,11 +82,11 @@ class ToolRunner:
         """Execute one parsed call (see :func:`trainer.chat_template.parse_tool_calls`)."""
         name = call.get("name")
         if "error" in call:
-            return ToolCallOutcome(name, f"Error: {call['error']}", failed=True, unknown=False, latency_s=0.0)
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{call['error']}", failed=True, unknown=False, latency_s=0.0)
         tool = self._by_name.get(name)  # type: ignore[arg-type]
         if tool is None:
             available = ", ".join(sorted(self._by_name)) or "none"
-            return ToolCallOutcome(name, f"Error: unknown tool {name!r}; available tools: {available}",
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}unknown tool {name!r}; available tools: {available}",
                                    failed=True, unknown=True, latency_s=0.0)
         t0 = time.perf_counter()
         try:
@@ -92,12 +95,12 @@ class ToolRunner:
             else:
                 result = await call_maybe_async(tool.func, self.executor, **call["arguments"])
         except ToolCallError as exc:  # a remote tool failed: the server already phrased it for the model
-            return ToolCallOutcome(name, f"Error: {exc}", failed=True, unknown=isinstance(exc, UnknownToolError),
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{exc}", failed=True, unknown=isinstance(exc, UnknownToolError),
                                    latency_s=time.perf_counter() - t0)
         except ToolgymError:
             raise  # the env server or the session is gone: the rollout fails, not the tool
         except Exception as exc:  # the tool's failure is the model's observation
-            return ToolCallOutcome(name, f"Error: {type(exc).__name__}: {exc}", failed=True, unknown=False,
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{type(exc).__name__}: {exc}", failed=True, unknown=False,
                                    latency_s=time.perf_counter() - t0)
         return ToolCallOutcome(name, _as_text(result), failed=False, unknown=False,
                                latency_s=time.perf_counter() - t0)

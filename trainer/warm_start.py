@@ -102,6 +102,11 @@ class WarmStartConfig:
             seeds, about half each way), so waiting longer does not help. The rest of the
             transcripts follow the imperfect policy (``exact_step_prob``).
         max_attempts: Initialisations tried before keeping the last one (with a warning).
+        empty_think_prob: Fraction of counter transcripts whose assistant turns open with an empty
+            reasoning block (``<think>\n\n</think>\n\n``), as Qwen3-style templates open every turn
+            when thinking is off. A model that never saw the block loses the call format after it
+            (measured: it wrote ``2}}`` with no ``<tool_call>``). 0 draws nothing extra, so the
+            transcripts of a seed do not change.
         arithmetic_max: Arithmetic operands are drawn from ``[0, arithmetic_max]``.
         arithmetic_error_rate: Fraction of arithmetic transcripts whose boxed answer is wrong.
         num_threads: Torch intra-op threads while training and sampling. The matrices are tiny:
@@ -118,6 +123,7 @@ class WarmStartConfig:
     exact_step_prob: float = 0.4
     restart_check_step: int = 150
     max_attempts: int = 4
+    empty_think_prob: float = 0.0
     arithmetic_max: int = 5
     arithmetic_error_rate: float = 0.3
     num_threads: int = 1
@@ -130,7 +136,7 @@ class WarmStartConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        for name in ("exact_step_prob", "arithmetic_error_rate"):
+        for name in ("exact_step_prob", "arithmetic_error_rate", "empty_think_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -188,6 +194,9 @@ def arithmetic_prompt(a: int, b: int) -> str:
     return f"What is {a} + {b}?"
 
 
+_EMPTY_THINK = "<think>\n\n</think>\n\n"  # what a Qwen3-style template opens a turn with, thinking off
+
+
 def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -205,10 +214,13 @@ def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig,
     messages: list[dict[str, Any]] = [{"role": "user", "content": env.reset(target=target)}]
     exact = exact or rng.random() < config.exact_step_prob
     step = target if exact else rng.randint(1, config.max_target)
+    # The template puts a newline between content and the call: the call turn's block ends with one.
+    think = config.empty_think_prob > 0 and rng.random() < config.empty_think_prob
     call = _tool_call("increment", {"step": step})
-    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    messages.append({"role": "assistant", "content": _EMPTY_THINK[:-1] if think else "", "tool_calls": [call]})
     messages.append({"role": "tool", "content": str(env.increment(step))})
-    messages.append({"role": "assistant", "content": f"The counter is now {env.counter}."})
+    answer = f"The counter is now {env.counter}."
+    messages.append({"role": "assistant", "content": _EMPTY_THINK + answer if think else answer})
     return Transcript(messages, counter_tools(), success=env.get_reward() == 1.0)
 
 

@@ -1,14 +1,19 @@
-"""``accuracy_reward``: math-verify grading of the final answer."""
+"""``accuracy_reward``: math-verify grading of the final answer; ``tool_error_penalty``: failed calls cost."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from trainer.rewards import accuracy_reward
+from environments.counter import IncrementEnv
+from sdk import environment_tools
+from trainer.chat_template import parse_tool_calls
+from trainer.rewards import TOOL_ERROR_PENALTY, accuracy_reward, tool_error_penalty
+from trainer.tool_runner import ToolRunner
 
 
 def answer(text: str) -> list[dict[str, str]]:
@@ -68,3 +73,27 @@ def test_works_from_worker_threads():
         results = list(pool.map(grade, range(8)))
     assert all(name.startswith("reward") for name, _ in results)
     assert [r for _, (r,) in results] == [float(i % 2) for i in range(8)]
+
+
+def _episode(*assistant_texts: str) -> list[dict[str, str]]:
+    """A counter conversation: each assistant text's calls run by the trainer's real ToolRunner."""
+    runner = ToolRunner(environment_tools(IncrementEnv()))
+    messages: list[dict[str, str]] = []
+    for text in assistant_texts:
+        messages.append({"role": "assistant", "content": text})
+        for call in parse_tool_calls(text)[1]:
+            messages.append({"role": "tool", "content": asyncio.run(runner.run(call)).content})
+    return messages
+
+
+def test_tool_error_penalty_costs_a_rollout_with_a_failed_call():
+    good = '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call>'
+    completions = [
+        _episode(good, "The counter is now 3."),
+        _episode(good, '<tool_call>\n{"step": 5}}\n</tool_call>', "Done."),  # malformed JSON after the goal
+        _episode('<tool_call>\n{"name": "decrement", "arguments": {"step": 1}}\n</tool_call>', "Done."),
+        _episode('<tool_call>\n{"name": "increment", "arguments": {"steps": 1}}\n</tool_call>', "Done."),
+        _episode("No tools needed."),
+    ]
+    assert tool_error_penalty(completions=completions) == [0.0, -TOOL_ERROR_PENALTY, -TOOL_ERROR_PENALTY,
+                                                           -TOOL_ERROR_PENALTY, 0.0]

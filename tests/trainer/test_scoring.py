@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from trainer.rollout_types import RolloutGroup
+from trainer.rollout_types import Rollout, RolloutGroup, TurnRecord
 from trainer.scoring import call_reward_funcs, group_advantages, is_degenerate, reward_func_name, sum_rewards
 
 NAN = math.nan
@@ -236,3 +236,48 @@ def test_call_reward_funcs_wrong_count_from_async_raises():
 
     with pytest.raises(ValueError, match="'short' returned 1 rewards for 2 completions"):
         asyncio.run(call_reward_funcs([length_reward, short], make_group(2)))
+
+
+# --- mask_truncated_completions ------------------------------------------------------------------
+
+def _rollout(output_ids: list[int], finish_reason: str) -> Rollout:
+    turn = TurnRecord(prompt_ids=[1, 2], output_ids=output_ids, finish_reason=finish_reason)
+    return Rollout(completion=[], completion_ids=list(output_ids), turns=[turn])
+
+
+def test_a_rollout_is_truncated_when_its_last_turn_has_no_eos() -> None:
+    eos = [0]
+    assert not _rollout([5, 6, 0], "stop").truncated(eos)
+    assert _rollout([5, 6, 7], "length").truncated(eos)
+    assert _rollout([], "length").truncated(eos)  # no room left for the turn at all
+    two_turns = Rollout(completion=[], completion_ids=[5, 0, 7], turns=[
+        TurnRecord(prompt_ids=[1], output_ids=[5, 0], finish_reason="stop"),
+        TurnRecord(prompt_ids=[1, 5, 0, 9], output_ids=[7], finish_reason="length")])
+    assert two_turns.truncated(eos), "only the last turn decides"
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_masked_truncated_rollouts_are_scored_but_not_trained(tmp_path, mask: bool) -> None:
+    from trainer.config import AsyncGRPOConfig
+    from trainer.rollout_loop import AsyncRolloutLoop
+    from trainer.rollout_types import TrainingSequence
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, num_generations=4,
+                             mask_truncated_completions=mask)
+    loop = AsyncRolloutLoop(config=config, model_name="unused", dataset=None, reward_funcs=[],
+                            processing_class=None, eos_token_ids=[0], channels=None)
+    group = make_group(4)
+    group.rollout_rewards = [1.0, 1.0, 0.0, 0.0]
+    group.truncated = [True, False, False, True]
+    group.completions_sequences = [[TrainingSequence(input_ids=[1, 10 + i], loss_mask=[0, 1],
+                                                     sampler_logprobs=[0.0, -0.5])] for i in range(4)]
+    try:
+        queued = loop._score(group, [], position=3)
+    finally:
+        loop.executor.shutdown()
+    kept = [1, 2] if mask else [0, 1, 2, 3]
+    assert [s.sequence.input_ids[1] - 10 for s in queued.samples] == kept
+    # The truncated rollouts still count in the group: advantages are those of all four rewards.
+    expected = group_advantages(np.array([1.0, 1.0, 0.0, 0.0]))
+    assert [s.advantage for s in queued.samples] == pytest.approx(expected[kept])
+    assert queued.tokens == 2 * len(kept)
