@@ -2,7 +2,8 @@
 
 For each trainer seed: put the warm-started model's weights back on the server, evaluate fresh counter
 episodes through the env server and the vLLM server, train with the remote environment, evaluate again.
-Prints one row per seed and the distribution of the gain; ``--json`` writes the rows too::
+Prints one row per seed and the distribution of the gain; ``--json`` writes the rows too, and each
+seed's log history is written to ``<output-dir>/seed<N>/log_history.json``::
 
     .venv/bin/python bench/e2e/learning_sweep.py --seeds 0 1 2 3 --steps 20 --episodes-per-target 12
 
@@ -60,6 +61,7 @@ def main() -> None:
                    "episodes": run.after.episodes, "train_s": round(run.train_s, 1),
                    "total_s": round(time.monotonic() - t0, 1)}
             rows.append(row)
+            (Path(config.output_dir) / "log_history.json").write_text(json.dumps(run.log_history, indent=0))
             print(f"seed {seed}: success {row['before']:.1%} -> {row['after']:.1%} "
                   f"(+{row['after'] - row['before']:.1%}), train {row['train_s']:.0f} s, "
                   f"with evaluations {row['total_s']:.0f} s", flush=True)

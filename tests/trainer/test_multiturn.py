@@ -84,22 +84,44 @@ def zero_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [0.0] * len(completions)
 
 
+def _warm_copy(tiny_model_dir: Path, folder: Path, **config: Any) -> Path:
+    """A copy of the tiny model after a short warm start on counter transcripts (~30 s on one thread)."""
+    target = folder / "model"
+    shutil.copytree(tiny_model_dir, target)
+    warm_start(target, WarmStartConfig(task="counter", steps_per_task=120, batch_size=16, **config))
+    return target
+
+
+def _serve(server: VLLMServer, model_dir: Path, restore: WeightSynchronizer) -> VLLMServer:
+    """Put ``model_dir``'s weights on the shared server (``restore_served_weights`` puts them back)."""
+    restore.sync(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters(), version=1)
+    return server
+
+
 @pytest.fixture(scope="module")
 def warm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after a short warm start on counter transcripts (~30 s on one thread)."""
-    target = tmp_path_factory.mktemp("warm") / "model"
-    shutil.copytree(tiny_model_dir, target)
-    warm_start(target, WarmStartConfig(task="counter", steps_per_task=120, batch_size=16))
-    return target
+    """The tiny model after a short warm start on counter transcripts."""
+    return _warm_copy(tiny_model_dir, tmp_path_factory.mktemp("warm"))
 
 
 @pytest.fixture()
 def warm_server(vllm_server: VLLMServer, warm_model_dir: Path,
                 restore_served_weights: WeightSynchronizer) -> Iterator[VLLMServer]:
     """The shared server serving the warm-started weights (restored afterwards)."""
-    warm = AutoModelForCausalLM.from_pretrained(warm_model_dir, dtype=torch.float32)
-    restore_served_weights.sync(warm.named_parameters(), version=1)
-    yield vllm_server
+    yield _serve(vllm_server, warm_model_dir, restore_served_weights)
+
+
+@pytest.fixture(scope="module")
+def thinking_warm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same warm start on transcripts whose turns open with an empty reasoning block."""
+    return _warm_copy(tiny_model_dir, tmp_path_factory.mktemp("warm-thinking"), empty_think_prob=1.0)
+
+
+@pytest.fixture()
+def thinking_warm_server(vllm_server: VLLMServer, thinking_warm_model_dir: Path,
+                         restore_served_weights: WeightSynchronizer) -> Iterator[VLLMServer]:
+    """The shared server serving :func:`thinking_warm_model_dir`'s weights (restored afterwards)."""
+    yield _serve(vllm_server, thinking_warm_model_dir, restore_served_weights)
 
 
 def _loop(server: VLLMServer, model_dir: Path, tmp_path: Path, **kwargs: Any) -> AsyncRolloutLoop:
@@ -242,13 +264,8 @@ def test_every_rollout_failing_stops_the_run_with_a_clear_message(vllm_server: V
         trainer.train()
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=False, reason=(
-    "the one-call warm start (session 3) gives a model that, after this template's empty <think> block, "
-    "skips the '<tool_call>' opening and writes '2}}': no rollout calls the tool, so there is nothing to "
-    "check; the template logic itself is tested in test_chat_template_training.py. To fix: a warm model "
-    "shown this template's generation prompt too"))
 def test_training_template_keeps_a_reasoning_family_rollout_in_one_sample(
-        warm_server: VLLMServer, warm_model_dir: Path, tmp_path: Path) -> None:
+        thinking_warm_server: VLLMServer, thinking_warm_model_dir: Path, tmp_path: Path) -> None:
     # With enable_thinking=False a Qwen3-style stock template drops, on the next render, the empty
     # reasoning block its generation prompt added: every turn forks. The training template that
     # rollout_chat_template picks at start keeps the whole conversation in one sample.
@@ -259,7 +276,7 @@ def test_training_template_keeps_a_reasoning_family_rollout_in_one_sample(
     kw = {"enable_thinking": False}
     outcomes = {}
     for name in ("stock", "training"):
-        loop = _loop(warm_server, warm_model_dir, tmp_path, environment_factory=IncrementEnv)
+        loop = _loop(thinking_warm_server, thinking_warm_model_dir, tmp_path, environment_factory=IncrementEnv)
         loop.tokenizer.chat_template = QWEN3_STYLE_STOCK
         loop.chat_template_kwargs = kw
         schemas = [t.schema for t in environment_tools(IncrementEnv())]
