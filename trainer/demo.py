@@ -16,7 +16,7 @@ Every process it starts is stopped when it returns::
     toolgym demo [--cache .cache] [--steps 15] [--seed 0]
 
 The building blocks (:func:`warm_model`, :func:`counter_config`, :func:`evaluate_counter`,
-:func:`serve_policy`, :func:`learning_run`) are shared with the end-to-end tests
+:func:`serve_policy`, :func:`counter_trainer`, :func:`learning_run`) are shared with the end-to-end tests
 (``tests/e2e``) and the benchmark (``bench/e2e``), so all three run the same experiment.
 """
 
@@ -128,6 +128,26 @@ def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,
     sync.sync(weights, version=version)
 
 
+def counter_trainer(model_dir: str | Path, environment_factory: Any, config: AsyncGRPOConfig,
+                    callbacks: Sequence[Any] = ()) -> Any:
+    """The demo's ``AsyncGRPOTrainer`` on the counter task (no default console printer).
+
+    The training reward is the environment's ``get_reward`` (1.0 at the target) plus
+    :func:`trainer.rewards.tool_error_penalty` (-0.5 for a rollout with a failed call).
+    """
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+
+    from trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from trainer.rewards import tool_error_penalty
+
+    trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
+                               reward_funcs=tool_error_penalty, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               environment_factory=environment_factory, callbacks=list(callbacks))
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
 @dataclass
 class LearningRun:
     """A before/after measurement around one training run.
@@ -150,9 +170,7 @@ def learning_run(model_dir: str | Path, environment_factory: Any, config: AsyncG
                  before: PolicyEval | None = None) -> LearningRun:
     """Evaluate the served policy, train it on the counter task, evaluate again.
 
-    The training reward is the environment's ``get_reward`` (1.0 at the target) plus
-    :func:`trainer.rewards.tool_error_penalty` (-0.5 for a rollout with a failed call); the
-    evaluations count the environment's reward only.
+    Trains with :func:`counter_trainer`; the evaluations count the environment's reward only.
 
     The server at ``config.vllm_server_base_url`` must already serve ``model_dir``'s weights
     (see :func:`serve_policy`); the trainer leaves its final weights there.
@@ -165,19 +183,10 @@ def learning_run(model_dir: str | Path, environment_factory: Any, config: AsyncG
         callbacks: Extra trainer callbacks (progress table, plots, ...).
         before: An evaluation already made of these weights (skips the first one).
     """
-    from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
-
-    from trainer.async_grpo_trainer import AsyncGRPOTrainer
-    from trainer.rewards import tool_error_penalty
-
     base_url = config.vllm_server_base_url
     if before is None:
         before = evaluate_counter(base_url, model_dir, environment_factory, episodes_per_target)
-    trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
-                               reward_funcs=tool_error_penalty, processing_class=AutoTokenizer.from_pretrained(model_dir),
-                               environment_factory=environment_factory, callbacks=list(callbacks))
-    trainer.remove_callback(PrinterCallback)
+    trainer = counter_trainer(model_dir, environment_factory, config, callbacks)
     t0 = time.monotonic()
     trainer.train()
     train_s = time.monotonic() - t0

@@ -28,7 +28,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sdk import remote_factory
-from trainer.demo import counter_config, counter_dataset, evaluate_counter, serve_policy, warm_model
+from trainer.demo import counter_config, counter_trainer, evaluate_counter, serve_policy, warm_model
 from trainer.train_cli import serve_environment
 from trainer.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -55,19 +55,12 @@ class Snapshots(TrainerCallback):
 def run_schedule(name: str, staleness: int, model_dir: Path, base_url: str, factory: Any,
                  args: argparse.Namespace) -> list[dict[str, float]]:
     """Train once with ``max_staleness=staleness``; evaluate its snapshots; one dict per snapshot."""
-    from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
-
-    from trainer.async_grpo_trainer import AsyncGRPOTrainer
     from trainer.reporting import ProgressCallback
 
     serve_policy(base_url, model_dir)
     config = counter_config(Path(args.output_dir) / name, base_url, args.steps, args.seed, max_staleness=staleness)
     snapshots = Snapshots(args.every)
-    trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
-                               processing_class=AutoTokenizer.from_pretrained(model_dir),
-                               environment_factory=factory, callbacks=[snapshots, ProgressCallback()])
-    trainer.remove_callback(PrinterCallback)
+    trainer = counter_trainer(model_dir, factory, config, callbacks=[snapshots, ProgressCallback()])
     trainer.train()
     rewards = {int(h["step"]): h["reward"] for h in trainer.state.log_history if "reward" in h and "loss" in h}
     points = []
