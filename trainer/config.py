@@ -78,9 +78,10 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     mask_truncated_completions: bool = field(
         default=False,
-        metadata={"help": "Leave out of the loss every rollout whose last turn was cut at max_completion_length "
-                  "(no EOS); it still counts in its group's advantages. Without it, a truncated rollout that "
-                  "reached the goal before rambling is reinforced, rambling included."},
+        metadata={"help": "Leave out of training every rollout whose last turn was cut at max_completion_length "
+                  "(no EOS): no loss, and no place in its group's baseline (unlike TRL's option, which keeps it "
+                  "there), so the advantages of the trained rollouts still sum to zero. Without it, a truncated "
+                  "rollout that reached the goal before rambling is reinforced, rambling included."},
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(

@@ -528,8 +528,15 @@ class AsyncRolloutLoop:
         if any(r is not None for r in group.rollout_rewards):
             sources["rollout"] = list(group.rollout_rewards)
         group.rewards = sum_rewards(list(sources.values()), n)
-        dropped = is_degenerate(group.rewards)
-        record_group_metrics(self.records, group, sources, dropped)
+        trained_rewards = group.rewards
+        if self.config.mask_truncated_completions and any(group.truncated):
+            # A masked rollout is not trained, so it is left out of the baseline too: the advantages
+            # of the rollouts that are trained still sum to zero, and a prefix they all share gets
+            # no net push either way.
+            trained_rewards = np.where(np.asarray(group.truncated), np.nan, group.rewards)
+        dropped = is_degenerate(trained_rewards)
+        record_group_metrics(self.records, group, sources, dropped)  # every rollout's reward, truncated or not
+        group.rewards = trained_rewards
         queued = QueuedGroup(position, group.row_index, policy_version=group.model_version)
         # The hook runs for every group, a dropped one too (a curriculum tracks solved prompts there);
         # dropping is decided on the rewards above, not on what it returns.
@@ -541,7 +548,7 @@ class AsyncRolloutLoop:
         now = time.time()
         for i, seqs in enumerate(group.completions_sequences):
             if self.config.mask_truncated_completions and group.truncated[i]:
-                continue  # scored with its group above, trained on by nobody
+                continue  # masked: out of the baseline above, and out of the loss
             for seq in seqs:
                 queued.samples.append(TrainingSample(
                     sequence=seq, advantage=float(advantages[i]), group_id=position,

@@ -256,16 +256,22 @@ def test_a_rollout_is_truncated_when_its_last_turn_has_no_eos() -> None:
     assert two_turns.truncated(eos), "only the last turn decides"
 
 
-@pytest.mark.parametrize("mask", [False, True])
-def test_masked_truncated_rollouts_are_scored_but_not_trained(tmp_path, mask: bool) -> None:
+def _scoring_loop(tmp_path, mask: bool):
+    """A rollout loop that is never started: only its scoring is used (no server, no worker)."""
     from trainer.config import AsyncGRPOConfig
     from trainer.rollout_loop import AsyncRolloutLoop
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                             mask_truncated_completions=mask)
+    return AsyncRolloutLoop(config=config, model_name="unused", dataset=None, reward_funcs=[],
+                            processing_class=None, eos_token_ids=[0], channels=None)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_masked_truncated_rollouts_are_scored_but_not_trained(tmp_path, mask: bool) -> None:
     from trainer.rollout_types import TrainingSequence
 
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, num_generations=4,
-                             mask_truncated_completions=mask)
-    loop = AsyncRolloutLoop(config=config, model_name="unused", dataset=None, reward_funcs=[],
-                            processing_class=None, eos_token_ids=[0], channels=None)
+    loop = _scoring_loop(tmp_path, mask)
     group = make_group(4)
     group.rollout_rewards = [1.0, 1.0, 0.0, 0.0]
     group.truncated = [True, False, False, True]
@@ -277,7 +283,22 @@ def test_masked_truncated_rollouts_are_scored_but_not_trained(tmp_path, mask: bo
         loop.executor.shutdown()
     kept = [1, 2] if mask else [0, 1, 2, 3]
     assert [s.sequence.input_ids[1] - 10 for s in queued.samples] == kept
-    # The truncated rollouts still count in the group: advantages are those of all four rewards.
-    expected = group_advantages(np.array([1.0, 1.0, 0.0, 0.0]))
+    # Masked rollouts leave the baseline too: the trained advantages sum to zero either way.
+    rewards = np.array([NAN, 1.0, 0.0, NAN]) if mask else np.array([1.0, 1.0, 0.0, 0.0])
+    expected = group_advantages(rewards)
     assert [s.advantage for s in queued.samples] == pytest.approx(expected[kept])
+    assert sum(s.advantage for s in queued.samples) == pytest.approx(0.0, abs=1e-9)
     assert queued.tokens == 2 * len(kept)
+    rewards_logged = sorted(value for _, name, value, _ in loop.records.take() if name == "reward")
+    assert rewards_logged == [0.0, 0.0, 1.0, 1.0], "the reward metrics see every rollout, truncated or not"
+
+
+def test_a_group_whose_untruncated_rollouts_all_tie_is_dropped(tmp_path) -> None:
+    loop = _scoring_loop(tmp_path, mask=True)
+    group = make_group(3)
+    group.rollout_rewards = [1.0, 0.0, 0.0]
+    group.truncated = [True, False, False]
+    try:
+        assert loop._score(group, [], position=0).samples == []
+    finally:
+        loop.executor.shutdown()
