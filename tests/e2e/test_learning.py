@@ -3,8 +3,8 @@
 The shared session server is switched to a warm-started model through a real weight sync (and put
 back afterwards by ``restore_served_weights``). The counter run is the experiment of ``make demo``
 and of ``bench/e2e/learning_sweep.py``, at the sweep's default settings; the margin is the issue's
-+10 points. With the demo's reward (environment + ``tool_error_penalty``) and linearly decaying
-learning rate, four trainer seeds gained +30.6 to +41.7 points (``bench/e2e/README.md``).
++10 points. With the demo's reward (environment + ``tool_error_penalty``) and learning rate
+(2e-4, decaying linearly), four trainer seeds gained +23.6 to +27.8 points (``bench/e2e/README.md``).
 """
 
 from __future__ import annotations
