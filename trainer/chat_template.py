@@ -37,6 +37,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "PAD_TOKEN",
+    "EMPTY_REASONING",
     "REASONING_OPENINGS",
     "TOOL_CALL_END",
     "TOOL_CALL_START",
@@ -267,9 +268,12 @@ def render_prompt_text(
         **chat_template_kwargs)
 
 
+# What a Qwen3-style template opens an assistant turn with when thinking is off.
+EMPTY_REASONING = "<think>\n\n</think>\n\n"
+
 # How the synthetic assistant turns open: plain text, a reasoning block, an empty reasoning block
 # (what a reasoning model emits; templates that drop or re-space earlier reasoning fail on these).
-REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", "<think>\n\n</think>\n\n")
+REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", EMPTY_REASONING)
 
 
 def synthetic_replies(tools: list[dict[str, Any]] | None, opening: str) -> list[tuple[str, list[str]]]:

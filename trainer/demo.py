@@ -144,7 +144,8 @@ def counter_trainer(model_dir: str | Path, environment_factory: Any, config: Asy
     from trainer.rewards import tool_error_penalty
 
     trainer = AsyncGRPOTrainer(model=str(model_dir), args=config, train_dataset=counter_dataset(),
-                               reward_funcs=tool_error_penalty, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               reward_funcs=tool_error_penalty,
+                               processing_class=AutoTokenizer.from_pretrained(model_dir),
                                environment_factory=environment_factory, callbacks=list(callbacks))
     trainer.remove_callback(PrinterCallback)
     return trainer

@@ -82,7 +82,8 @@ class ToolRunner:
         """Execute one parsed call (see :func:`trainer.chat_template.parse_tool_calls`)."""
         name = call.get("name")
         if "error" in call:
-            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{call['error']}", failed=True, unknown=False, latency_s=0.0)
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{call['error']}", failed=True, unknown=False,
+                                   latency_s=0.0)
         tool = self._by_name.get(name)  # type: ignore[arg-type]
         if tool is None:
             available = ", ".join(sorted(self._by_name)) or "none"
@@ -95,8 +96,8 @@ class ToolRunner:
             else:
                 result = await call_maybe_async(tool.func, self.executor, **call["arguments"])
         except ToolCallError as exc:  # a remote tool failed: the server already phrased it for the model
-            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{exc}", failed=True, unknown=isinstance(exc, UnknownToolError),
-                                   latency_s=time.perf_counter() - t0)
+            return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{exc}", failed=True,
+                                   unknown=isinstance(exc, UnknownToolError), latency_s=time.perf_counter() - t0)
         except ToolgymError:
             raise  # the env server or the session is gone: the rollout fails, not the tool
         except Exception as exc:  # the tool's failure is the model's observation

@@ -53,7 +53,7 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.utils import get_json_schema
 
 from environments.counter import IncrementEnv
-from trainer.chat_template import build_assistant_message, parse_tool_calls, render_prompt_ids
+from trainer.chat_template import EMPTY_REASONING, build_assistant_message, parse_tool_calls, render_prompt_ids
 from trainer.errors import ConfigError
 from trainer.logprobs import forward_packed
 from trainer.packing import build_row
@@ -194,9 +194,6 @@ def arithmetic_prompt(a: int, b: int) -> str:
     return f"What is {a} + {b}?"
 
 
-_EMPTY_THINK = "<think>\n\n</think>\n\n"  # what a Qwen3-style template opens a turn with, thinking off
-
-
 def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -217,10 +214,11 @@ def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig,
     # The template puts a newline between content and the call: the call turn's block ends with one.
     think = config.empty_think_prob > 0 and rng.random() < config.empty_think_prob
     call = _tool_call("increment", {"step": step})
-    messages.append({"role": "assistant", "content": _EMPTY_THINK[:-1] if think else "", "tool_calls": [call]})
+    opening = EMPTY_REASONING[:-1] if think else ""
+    messages.append({"role": "assistant", "content": opening, "tool_calls": [call]})
     messages.append({"role": "tool", "content": str(env.increment(step))})
     answer = f"The counter is now {env.counter}."
-    messages.append({"role": "assistant", "content": _EMPTY_THINK + answer if think else answer})
+    messages.append({"role": "assistant", "content": EMPTY_REASONING + answer if think else answer})
     return Transcript(messages, counter_tools(), success=env.get_reward() == 1.0)
 
 
