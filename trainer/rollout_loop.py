@@ -333,9 +333,12 @@ class AsyncRolloutLoop:
             tokens_sent, t_last = self._generated_tokens, now
             self.records.add("rollout/score_queue_size", self.score_queue.qsize())
             self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
-            batch = self.records.take()
-            if batch:
-                self.channels.metrics_queue.put(batch)
+            self._send_records()
+
+    def _send_records(self) -> None:
+        batch = self.records.take()
+        if batch:
+            self.channels.metrics_queue.put(batch)
 
     # --------------------------------------------------------------------------- producing
     def _prompt_stream(self) -> Any:
@@ -515,6 +518,8 @@ class AsyncRolloutLoop:
             self.records.add("rollout/score_s", time.monotonic() - t0)
             total_tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
             self.allowance.finished(queued.tokens, total_tokens)
+            # The group's reward metrics go out before the group: the step that trains it logs them.
+            self._send_records()
             self.channels.rollout_buffer.put(queued)
 
     def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int) -> QueuedGroup:

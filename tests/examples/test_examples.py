@@ -198,10 +198,12 @@ def test_custom_rewards_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_p
 
 def test_multi_task_rewards_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
                                 restore_served_weights: WeightSynchronizer) -> None:
-    trainer = _train("multi_task_rewards", vllm_server, tiny_model_dir, tmp_path)
+    # The dataset holds three prompts of each task, so four trained groups hold both tasks; a group's
+    # reward metrics are logged by the step that trains it at the latest.
+    trainer = _train("multi_task_rewards", vllm_server, tiny_model_dir, tmp_path, max_steps=4)
     logged = _logged(trainer)
     # A task reward is logged only over the rows it scored (None rows are left out), so both names
-    # appear once groups of both tasks were scored, each within its own range.
+    # appear, each within its own range.
     assert {"math_reward_func", "coding_reward_func", "brevity_reward"} <= _reward_names(logged)
     for name in ("math_reward_func", "coding_reward_func"):
         assert all(-1.0 <= v <= 1.0 for v in logged[f"rewards/{name}/mean"])

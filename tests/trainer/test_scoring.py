@@ -302,3 +302,42 @@ def test_a_group_whose_untruncated_rollouts_all_tie_is_dropped(tmp_path) -> None
         assert loop._score(group, [], position=0).samples == []
     finally:
         loop.executor.shutdown()
+
+
+def test_a_scored_groups_reward_metrics_are_sent_before_the_group(tmp_path) -> None:
+    """The step that trains a group logs its reward metrics: they never trail it into a later window.
+
+    ``queue.Queue`` stands in for the two multiprocessing queues (the trainer end is not under test).
+    """
+    import queue
+    from types import SimpleNamespace
+
+    from trainer.concurrency import TokenAllowance
+
+    loop = _scoring_loop(tmp_path, mask=False)
+    metrics: queue.Queue = queue.Queue()
+    seen_at_put: list[list[str]] = []
+
+    class _Buffer:
+        def put(self, item) -> None:
+            names = [name for batch in list(metrics.queue) for _, name, _, _ in batch]
+            seen_at_put.append(names)
+
+    loop.channels = SimpleNamespace(metrics_queue=metrics, rollout_buffer=_Buffer())
+    loop.allowance = TokenAllowance()
+    group = make_group(2)
+    group.rollout_rewards = [1.0, 0.0]
+
+    async def score_one() -> None:
+        loop.score_queue = asyncio.Queue()
+        await loop.score_queue.put((group, [], 0))
+        task = asyncio.create_task(loop._score_forever())
+        while not seen_at_put:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    try:
+        asyncio.run(score_one())
+    finally:
+        loop.executor.shutdown()
+    assert seen_at_put[0].count("reward") == 2 and "rewards/rollout/mean" in seen_at_put[0]
