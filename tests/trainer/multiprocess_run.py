@@ -17,13 +17,9 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from tests.trainer.spread_reward import token_reward
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.batching import MicroBatch
-
-
-def length_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """Longer completions score higher: every group has spread, so every group trains."""
-    return [len(ids) / 16 for ids in completion_ids]
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
@@ -51,7 +47,7 @@ def main(model_dir: str, server_url: str, out_dir: str) -> None:
         logging_steps=1, rollout_worker_timeout=120, vllm_server_timeout=120, disable_tqdm=True,
         gradient_accumulation_steps=2,
     )
-    trainer = RecordingTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset)
+    trainer = RecordingTrainer(model=model_dir, reward_funcs=token_reward, args=args, train_dataset=dataset)
     worker_pid = None
     original_shutdown = trainer._shutdown
 

@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from tests.trainer.spread_reward import token_reward
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.errors import ConfigError, RolloutWorkerError, VLLMServerError, WeightSyncError
 from trainer.sampler_client import SamplerClient, SamplingParams
@@ -24,16 +25,11 @@ from trainer.weight_sync import WeightSynchronizer
 # Reward functions live at module level: they must pickle into the spawned worker.
 
 
-def length_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """Longer completions score higher: every group has spread, so every group trains."""
-    return [len(ids) / 16 for ids in completion_ids]
-
-
 def recording_reward(completion_ids: list[list[int]], row_id: list[int], path: str, **kwargs: Any) -> list[float]:
-    """length_reward that also appends the scored dataset rows to ``path``."""
+    """``token_reward`` that also appends the scored dataset rows to ``path``."""
     with open(path, "a") as f:
         f.write(f"{row_id[0]}\n")
-    return length_reward(completion_ids)
+    return token_reward(completion_ids)
 
 
 def crashing_reward(completions: list[Any], **kwargs: Any) -> list[float]:
@@ -81,7 +77,7 @@ def test_short_run_trains_syncs_and_logs(
     before = _server_logprobs(vllm_server.base_url, [5, 17, 42])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = AsyncGRPOTrainer(model=model, reward_funcs=length_reward, args=_config(tmp_path, vllm_server),
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=token_reward, args=_config(tmp_path, vllm_server),
                                train_dataset=_dataset())
     trainer.train()
 
@@ -95,7 +91,7 @@ def test_short_run_trains_syncs_and_logs(
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     expected = {
-        "reward", "reward_trained", "frac_zero_std_groups", "rewards/length_reward/mean", "entropy",
+        "reward", "reward_trained", "frac_zero_std_groups", "rewards/token_reward/mean", "entropy",
         "sampling/importance_sampling_ratio/mean", "sampling/sampler_mass", "clip_ratio/region_mean",
         "completions/mean_length", "rollout/generated_tokens_per_s", "rollout/concurrency_cap",
         "sample/staleness_mean", "batch/packing_ratio", "batch/trained_tokens_per_step", "perf/step_s",
@@ -110,7 +106,7 @@ def test_staleness_drop_and_backpressure_show_in_metrics(
     vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, restore_served_weights: WeightSynchronizer
 ) -> None:
     trainer = AsyncGRPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=length_reward, train_dataset=_dataset(),
+        model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=_dataset(),
         args=_config(tmp_path, vllm_server, max_steps=4, max_staleness=0, token_budget=200))
     trainer.train()
     totals: dict[str, float] = {}
@@ -168,7 +164,7 @@ def test_hung_worker_is_detected_and_stopped(vllm_server: VLLMServer, tiny_model
 
 
 def test_unpicklable_reward_is_refused_at_train(tiny_model_dir: Path, tmp_path: Path) -> None:
-    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=[length_reward, lambda **kw: [0.0]],
+    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=[token_reward, lambda **kw: [0.0]],
                                args=_config(tmp_path, "http://127.0.0.1:9"), train_dataset=_dataset())
     with pytest.raises(TypeError, match=r"reward_funcs\[1\].*cannot be pickled"):
         trainer.train()
@@ -180,12 +176,12 @@ def test_unpicklable_reward_is_refused_at_train(tiny_model_dir: Path, tmp_path: 
 ])
 def test_bad_dataset_is_refused(tiny_model_dir: Path, tmp_path: Path, bad: Dataset, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=length_reward, train_dataset=bad,
+        AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=bad,
                          args=_config(tmp_path, "http://127.0.0.1:9"))
 
 
 def test_no_server_gives_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
-    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=length_reward, train_dataset=_dataset(),
+    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=_dataset(),
                                args=_config(tmp_path, f"http://127.0.0.1:{free_port()}", vllm_server_timeout=2))
     with pytest.raises(VLLMServerError, match="could not reach the vLLM server"):
         trainer.train()
@@ -202,7 +198,7 @@ def test_server_dying_mid_run_gives_a_clear_error(tiny_model_dir: Path, tmp_path
                     server.stop()
 
         trainer = AsyncGRPOTrainer(
-            model=str(tiny_model_dir), reward_funcs=length_reward, train_dataset=_dataset(),
+            model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=_dataset(),
             args=_config(tmp_path, server, max_steps=20, vllm_server_timeout=10),
             callbacks=[KillServerAfterFirstStep()])
         t0 = time.monotonic()

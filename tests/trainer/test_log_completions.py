@@ -4,21 +4,16 @@ console and in TensorBoard (the real vLLM CPU server and rollout worker)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from datasets import Dataset
 
+from tests.trainer.spread_reward import token_reward
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.errors import ConfigError
 from trainer.reporting import CompletionRecord, completions_markdown
 from trainer.vllm_server import VLLMServer
 from trainer.weight_sync import WeightSynchronizer
-
-
-def length_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """Longer completions score higher (module level: it pickles into the worker)."""
-    return [len(ids) / 16 for ids in completion_ids]
 
 
 def test_completions_are_printed_and_sent_to_tensorboard(
@@ -35,7 +30,7 @@ def test_completions_are_printed_and_sent_to_tensorboard(
     )
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Spell the word zebra{i}."}]
                                          for i in range(12)]})
-    AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=length_reward, args=args, train_dataset=data).train()
+    AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, args=args, train_dataset=data).train()
 
     out = capsys.readouterr().out
     assert out.count("completions at step") == 2  # one table per log

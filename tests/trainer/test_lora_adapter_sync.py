@@ -15,6 +15,7 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.trainer.spread_reward import token_reward
 from tests.trainer.test_lora_sync import _logprobs, _sample
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.errors import ConfigError, WeightSyncError
@@ -25,11 +26,6 @@ from trainer.weight_sync import VLLMAdminClient
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 MAX_LORAS = 3  # fits max_staleness=1 (1 + 2)
-
-
-def length_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """Longer completions score higher: every group has spread, so every group trains."""
-    return [len(ids) / 16 for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +117,7 @@ def _trainer(model_dir: Path, server: VLLMServer, out: Path, r: int = 4, **overr
     kwargs.update(overrides)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(12)]})
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS)
-    return AsyncGRPOTrainer(model=str(model_dir), reward_funcs=length_reward, args=AsyncGRPOConfig(**kwargs),
+    return AsyncGRPOTrainer(model=str(model_dir), reward_funcs=token_reward, args=AsyncGRPOConfig(**kwargs),
                             train_dataset=dataset, peft_config=lora)
 
 
