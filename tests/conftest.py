@@ -18,6 +18,10 @@ from trainer.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynch
 
 SERVER_MAX_MODEL_LEN = 1024
 
+# The tests train the tiny model on this CPU while the vLLM CPU server generates beside it. Two torch
+# threads against vLLM's busy cores made a 900-token forward/backward take 25 s; one takes under 1 s.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
