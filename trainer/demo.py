@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -230,10 +231,10 @@ def main(argv: list[str]) -> int:
 
     from sdk import remote_factory
     from trainer.reporting import PlotCallback, ProgressCallback
-    from trainer.train_cli import serve_environment
+    from trainer.train_cli import serve_environment, trainer_threads_beside_vllm
     from trainer.vllm_server import VLLMServer, VLLMServerConfig
 
-    torch.set_num_threads(1)  # tiny matrices: one thread beats two on a 2-core machine shared with vLLM
+    torch.set_num_threads(trainer_threads_beside_vllm(os.cpu_count() or 1))
     t0 = time.monotonic()
     model_dir = warm_model(Path(args.cache), args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

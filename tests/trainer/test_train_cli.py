@@ -11,7 +11,7 @@ import yaml
 from trainer.demo import serve_policy
 from trainer.errors import ConfigError
 from trainer.reporting import PLOTTED, write_plots
-from trainer.train_cli import main, parse_args
+from trainer.train_cli import main, parse_args, trainer_threads_beside_vllm
 from trainer.vllm_server import VLLMServer
 from trainer.warm_start import arithmetic_prompt
 from trainer.weight_sync import WeightSynchronizer
@@ -74,6 +74,11 @@ def test_a_wrong_flag_or_a_missing_file_is_refused(tmp_path: Path) -> None:
         parse_args([str(tmp_path / "missing.yaml")])
     with pytest.raises(ConfigError, match=r"must hold a mapping"):
         parse_args([str(_write_yaml(tmp_path / "list.yaml", ["model", "m"]))])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (16, 8)])
+def test_a_cpu_trainer_beside_vllm_takes_half_the_cores(cores: int, threads: int) -> None:
+    assert trainer_threads_beside_vllm(cores) == threads
 
 
 def test_write_plots_writes_one_non_empty_png_per_metric(tmp_path: Path) -> None:
