@@ -126,10 +126,6 @@ class AsyncRolloutLoop:
         )
         self._failed_in_a_row = 0
         self._generated_tokens = 0
-        # What the last metrics send covered (see _send_records).
-        self._retries_sent = 0
-        self._tokens_sent = 0
-        self._last_send = time.monotonic()
 
     # ----------------------------------------------------------------------------------- hooks
     def log_metric(self, name: str, value: float) -> None:
@@ -273,7 +269,6 @@ class AsyncRolloutLoop:
             await self.sampler.model_name()
             self.cap = AdaptiveCap(self.config.max_concurrent_rollouts, self.kv_cache_tokens, self.max_model_len)
             self.allowance = TokenAllowance()
-            self._last_send = time.monotonic()  # the first rate window starts with generation
             self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int]] = asyncio.Queue(
                 self.score_queue_maxsize)
             background = [asyncio.create_task(c) for c in (
@@ -327,21 +322,23 @@ class AsyncRolloutLoop:
             await asyncio.sleep(LOAD_POLL_S)
 
     async def _flush_metrics(self) -> None:
+        retries_sent = 0
+        tokens_sent, t_last = 0, time.monotonic()
         while True:
             await asyncio.sleep(METRICS_FLUSH_S)
+            now = time.monotonic()
+            self.records.add("rollout/vllm_retry_count", self.sampler.retry_count - retries_sent)
+            retries_sent = self.sampler.retry_count
+            self.records.add_rate("rollout/generated_tokens_per_s", self._generated_tokens - tokens_sent, now - t_last)
+            tokens_sent, t_last = self._generated_tokens, now
+            self.records.add("rollout/score_queue_size", self.score_queue.qsize())
+            self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
             self._send_records()
 
     def _send_records(self) -> None:
-        """Send what was recorded since the last send, with the window's load figures, to the trainer."""
-        now = time.monotonic()
-        self.records.add("rollout/vllm_retry_count", self.sampler.retry_count - self._retries_sent)
-        self._retries_sent = self.sampler.retry_count
-        self.records.add_rate("rollout/generated_tokens_per_s", self._generated_tokens - self._tokens_sent,
-                              now - self._last_send)
-        self._tokens_sent, self._last_send = self._generated_tokens, now
-        self.records.add("rollout/score_queue_size", self.score_queue.qsize())
-        self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
-        self.channels.metrics_queue.put(self.records.take())
+        batch = self.records.take()
+        if batch:
+            self.channels.metrics_queue.put(batch)
 
     # --------------------------------------------------------------------------- producing
     def _prompt_stream(self) -> Any:
