@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import Dataset
 
 from sdk import remote_factory
@@ -31,15 +30,6 @@ EPISODES_PER_TARGET = 12  # 72 fresh episodes before and after
 MIN_GAIN = 0.10  # success-rate points: the gain the issue asks for
 
 
-@pytest.fixture()
-def one_torch_thread() -> Iterator[None]:
-    """Tiny matrices on a busy 2-core machine: one intra-op thread trains faster than two."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def counter_env_url() -> Iterator[str]:
     """A real env server subprocess hosting the counter environment (``toolgym serve``)."""
@@ -50,7 +40,7 @@ def counter_env_url() -> Iterator[str]:
 @pytest.mark.timeout(1800)  # the session's warm start (400 steps, restarts) runs in this test's setup
 def test_counter_success_rises_over_the_warm_policy(
     vllm_server: VLLMServer, warm_counter_model_dir: Path, counter_env_url: str,
-    restore_served_weights: WeightSynchronizer, one_torch_thread: None, tmp_path: Path,
+    restore_served_weights: WeightSynchronizer, tmp_path: Path,
 ) -> None:
     serve_policy(vllm_server.base_url, warm_counter_model_dir)
     factory = remote_factory(counter_env_url, "IncrementEnv")
@@ -80,7 +70,7 @@ def _arithmetic_dataset(n: int = 64, seed: int = 0) -> Dataset:
 
 def test_arithmetic_run_is_scored_by_accuracy_reward(
     vllm_server: VLLMServer, warm_arithmetic_model_dir: Path, restore_served_weights: WeightSynchronizer,
-    one_torch_thread: None, tmp_path: Path,
+    tmp_path: Path,
 ) -> None:
     serve_policy(vllm_server.base_url, warm_arithmetic_model_dir)
     steps = 4
