@@ -15,7 +15,7 @@ test: setup
 	@$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 demo: setup
-	@$(PY) -m sdk.cli demo $(DEMO_ARGS)
+	@$(PY) -m toolgym demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

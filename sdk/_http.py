@@ -9,7 +9,11 @@ import urllib.request
 from typing import Any
 
 from sdk import protocol
-from sdk.exceptions import AuthenticationError, ServerUnavailableError, UnknownEnvironmentError
+from sdk.exceptions import (
+    AuthenticationError,
+    ServerUnavailableError,
+    UnknownEnvironmentError,
+)
 
 
 def normalize_url(url: str) -> str:

@@ -18,7 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 from unittest import mock
 
 from sdk.environment import RESERVED_NAMES, Environment
-from sdk.exceptions import MissingDocstringError, UndocumentedArgumentError, UnsupportedTypeError
+from sdk.exceptions import (
+    MissingDocstringError,
+    UndocumentedArgumentError,
+    UnsupportedTypeError,
+)
 
 
 @dataclasses.dataclass(frozen=True)

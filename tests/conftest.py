@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.tiny_model import build_tiny_model
-from trainer.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
+from toolgym.kit.tiny_model import build_tiny_model
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.sync.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
 
 SERVER_MAX_MODEL_LEN = 1024
 
@@ -56,7 +56,7 @@ def warm_counter_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built once per session (about two minutes of one CPU thread); the end-to-end tests and the
     ``bench/e2e`` scripts measure this same model.
     """
-    from trainer.demo import warm_model
+    from toolgym.cli.demo import warm_model
 
     return warm_model(tmp_path_factory.mktemp("warm-counter"), seed=0)
 
@@ -66,7 +66,7 @@ def warm_arithmetic_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.Tem
     """The session's tiny model after a short warm start on the arithmetic task (answers in ``\\boxed{}``)."""
     import shutil
 
-    from trainer.warm_start import WarmStartConfig, warm_start
+    from toolgym.kit.warm_start import WarmStartConfig, warm_start
 
     target = tmp_path_factory.mktemp("warm-arithmetic") / "model"
     shutil.copytree(tiny_model_dir, target)

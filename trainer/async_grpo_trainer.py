@@ -26,14 +26,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
-from trainer.batching import MicroBatch, MicroBatchStream
 from trainer.config import AsyncGRPOConfig
-from trainer.distributed import StepFeed, StepPayload, all_reduce_loss_stats
-from trainer.errors import ConfigError
-from trainer.lora_sync import (
+from trainer.exceptions import ConfigError
+from trainer.metrics import MetricWindow
+from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+from trainer.reporting import CompletionRecord, report_completions
+from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.tool_runner import tools_from_functions
+from trainer.rollout.training_templates import rollout_chat_template
+from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.sync.lora_sync import (
     LORA_CACHE_DIR,
     LoRAAdapterSync,
     adapter_rank,
@@ -41,16 +52,7 @@ from trainer.lora_sync import (
     check_lora_limits,
     server_lora_config,
 )
-from trainer.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
-from trainer.metrics import MetricWindow
-from trainer.moe import RouterLogits, resolve_aux_loss_coef
-from trainer.reporting import CompletionRecord, report_completions
-from trainer.rollout_loop import AsyncRolloutLoop
-from trainer.rollout_types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from trainer.tool_runner import tools_from_functions
-from trainer.training_templates import rollout_chat_template
-from trainer.tree_attention import enable_tree_attention
-from trainer.weight_sync import (
+from trainer.sync.weight_sync import (
     SharedMemorySender,
     SyncTimings,
     VLLMAdminClient,
@@ -59,7 +61,16 @@ from trainer.weight_sync import (
     checkpoint_manifest,
     merged_lora_weights,
 )
-from trainer.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.training.batching import MicroBatch, MicroBatchStream
+from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
+from trainer.training.loss import (
+    LossConfig,
+    loss_metrics,
+    packed_grpo_loss,
+    reduce_loss_stats,
+)
+from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
+from trainer.training.tree_attention import enable_tree_attention
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
@@ -158,7 +169,7 @@ class AsyncGRPOTrainer(Trainer):
         callbacks: Extra ``TrainerCallback``s.
         optimizers: ``(optimizer, scheduler)``; AdamW and the configured scheduler when ``None``.
         peft_config: A PEFT config to wrap the model with. Synced as merged weights, or as an adapter
-            when the server runs ``--enable-lora`` (see :mod:`trainer.lora_sync`).
+            when the server runs ``--enable-lora`` (see :mod:`trainer.sync.lora_sync`).
         tools: Functions the model may call (type hints + Google docstrings; module level).
         environment_factory: A zero-argument callable making an environment, or a dict
             name -> callable routed by the dataset's ``environment`` column.
@@ -275,7 +286,7 @@ class AsyncGRPOTrainer(Trainer):
             self.feed = None
 
     def _server_limits(self, admin: VLLMAdminClient) -> tuple[int, int | None]:
-        from trainer.sampler_client import kv_cache_tokens, parse_prometheus
+        from trainer.rollout.sampler_client import kv_cache_tokens, parse_prometheus
 
         deadline = time.monotonic() + self.args.vllm_server_timeout
         while True:
@@ -351,7 +362,7 @@ class AsyncGRPOTrainer(Trainer):
     def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:
         """The weight-transfer backend matching the server (``toolgym_shm`` on CPU, NCCL on GPU)."""
         if torch.cuda.is_available():
-            from trainer.weight_sync import NCCLSender
+            from trainer.sync.weight_sync import NCCLSender
 
             world = admin.request("GET", "/get_world_size")
             size = int(world.get("world_size", 1)) if isinstance(world, dict) else int(world)
@@ -406,7 +417,7 @@ class AsyncGRPOTrainer(Trainer):
         if self._router is not None:
             self._router.clear()
         with self.compute_loss_context_manager():
-            # The LM head's gradient is formed during this forward (trainer.logprobs.head_loss_from_hidden).
+            # The LM head's gradient is formed during this forward (trainer.training.logprobs.head_loss_from_hidden).
             loss, stats = packed_grpo_loss(model, row, self.args.temperature, self.loss_config,
                                            inputs.num_trained_global)
             loss = loss / self.current_gradient_accumulation_steps

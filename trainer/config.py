@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from trainer.errors import ConfigError
+from trainer.exceptions import ConfigError
 
 
 def _bf16_supported() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainer.tool_runner import TOOL_ERROR_PREFIX
+from trainer.records import TOOL_ERROR_PREFIX
 
 __all__ = ["TOOL_ERROR_PENALTY", "accuracy_reward", "tool_error_penalty"]
 

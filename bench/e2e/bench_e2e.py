@@ -2,7 +2,7 @@
 
 One env server (counter environment) and one vLLM CPU server serve both runs, which start from the
 same warm-started weights (pushed back onto the server before each run) with the same seeds and
-settings (the demo's, see ``trainer.demo.counter_config``); only ``max_staleness`` differs:
+settings (the demo's, see ``toolgym.cli.demo.counter_config``); only ``max_staleness`` differs:
 
 * asynchronous: ``max_staleness=4`` (generation runs up to 4 steps ahead of training);
 * synchronous: ``max_staleness=0`` (one step's worth of generation, then training, then the sync).
@@ -28,9 +28,15 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sdk import remote_factory
-from trainer.demo import counter_config, counter_trainer, evaluate_counter, serve_policy, warm_model
-from trainer.train_cli import serve_environment
-from trainer.vllm_server import VLLMServer, VLLMServerConfig
+from toolgym.cli.demo import (
+    counter_config,
+    counter_trainer,
+    evaluate_counter,
+    serve_policy,
+    warm_model,
+)
+from toolgym.cli.train import serve_environment
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 
 SCHEDULES = (("asynchronous", 4), ("synchronous", 0))
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from sdk import remote_factory
-from trainer.demo import counter_config, learning_run, serve_policy, warm_model
+from toolgym.cli.demo import counter_config, learning_run, serve_policy, warm_model
+from toolgym.cli.train import serve_environment
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.reporting import ProgressCallback
-from trainer.train_cli import serve_environment
-from trainer.vllm_server import VLLMServer, VLLMServerConfig
 
 TEST_STEPS = 15
 TEST_EPISODES_PER_TARGET = 12
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=TEST_STEPS)
     parser.add_argument("--episodes-per-target", type=int, default=TEST_EPISODES_PER_TARGET)
-    parser.add_argument("--learning-rate", type=float, help="default: the demo's (trainer.demo.counter_config)")
+    parser.add_argument("--learning-rate", type=float, help="default: the demo's (toolgym.cli.demo.counter_config)")
     parser.add_argument("--cache", default=".cache")
     parser.add_argument("--output-dir", default="outputs/learning-sweep")
     parser.add_argument("--json", help="also write the rows to this file")

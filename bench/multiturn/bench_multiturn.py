@@ -61,14 +61,14 @@ import aiohttp
 from transformers import AutoTokenizer
 
 from sdk import remote_factory
-from trainer.concurrency import AdaptiveCap
+from toolgym.kit.tiny_model import build_tiny_model
+from toolgym.kit.warm_start import WarmStartConfig, warm_start
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, free_port
 from trainer.config import AsyncGRPOConfig
-from trainer.rollout_loop import AsyncRolloutLoop
-from trainer.rollout_types import TurnRecord
-from trainer.tiny_model import build_tiny_model
-from trainer.vllm_server import VLLMServer, VLLMServerConfig, free_port
-from trainer.warm_start import WarmStartConfig, warm_start
-from trainer.worker import WorkerChannels
+from trainer.records import TurnRecord
+from trainer.rollout.concurrency import AdaptiveCap
+from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.worker import WorkerChannels
 
 HERE = Path(__file__).resolve().parent
 
@@ -77,7 +77,7 @@ def start_envserver(tool_ms: int) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "SLOW_COUNTER_MS": str(tool_ms)}
-    proc = subprocess.Popen([sys.executable, "-m", "sdk.cli", "serve", "slow_counter_env:SlowCounterEnv",
+    proc = subprocess.Popen([sys.executable, "-m", "envserver.cli", "slow_counter_env:SlowCounterEnv",
                              "--port", str(port), "--max-sessions", "2048"], env=env, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):

@@ -40,11 +40,15 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.logprobs import forward_packed, head_loss_from_hidden, logprobs_from_hidden
-from trainer.loss import LossConfig, _token_losses, grpo_loss, packed_grpo_loss
-from trainer.packing import PackedRow, RowPlanner, batch_metrics, build_row
-from trainer.rollout_types import TrainingSample, TrainingSequence
-from trainer.tree_attention import enable_tree_attention, packed_hidden_states
+from trainer.records import TrainingSample, TrainingSequence
+from trainer.training.logprobs import (
+    forward_packed,
+    head_loss_from_hidden,
+    logprobs_from_hidden,
+)
+from trainer.training.loss import LossConfig, _token_losses, grpo_loss, packed_grpo_loss
+from trainer.training.packing import PackedRow, RowPlanner, batch_metrics, build_row
+from trainer.training.tree_attention import enable_tree_attention, packed_hidden_states
 
 QWEN3_06B = {
     "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,

@@ -43,13 +43,19 @@ from typing import Any
 
 from datasets import Dataset
 
+from toolgym.kit.tiny_model import build_tiny_model
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.concurrency import AdaptiveCap
-from trainer.rollout_loop import AsyncRolloutLoop
-from trainer.sampler_client import SamplerClient, SamplingParams, kv_cache_tokens, parse_prometheus, server_load
-from trainer.tiny_model import build_tiny_model
-from trainer.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.rollout.concurrency import AdaptiveCap
+from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.sampler_client import (
+    SamplerClient,
+    SamplingParams,
+    kv_cache_tokens,
+    parse_prometheus,
+    server_load,
+)
+from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
 
 MAX_TOKENS = 64
 
@@ -254,7 +260,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from trainer.chat_template import render_prompt_ids
+    from trainer.rollout.chat_template import render_prompt_ids
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)

@@ -18,12 +18,12 @@ from datasets import Dataset
 
 from sdk import remote_factory
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.demo import counter_config, learning_run, serve_policy
+from toolgym.cli.demo import counter_config, learning_run, serve_policy
 from trainer.rewards import accuracy_reward
-from trainer.train_cli import serve_environment
-from trainer.vllm_server import VLLMServer
-from trainer.warm_start import arithmetic_prompt
-from trainer.weight_sync import WeightSynchronizer
+from toolgym.cli.train import serve_environment
+from toolgym.launch.vllm_server import VLLMServer
+from toolgym.kit.warm_start import arithmetic_prompt
+from trainer.sync.weight_sync import WeightSynchronizer
 
 COUNTER_STEPS = 15  # bench/e2e/learning_sweep.py --steps
 EPISODES_PER_TARGET = 12  # 72 fresh episodes before and after

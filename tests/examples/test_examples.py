@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from sdk.tools import environment_tools, tool_from_function
-from trainer.chat_template import render_prompt_ids
+from trainer.rollout.chat_template import render_prompt_ids
 from trainer.metrics import MetricWindow
-from trainer.vllm_server import VLLMServer
-from trainer.weight_sync import WeightSynchronizer
+from toolgym.launch.vllm_server import VLLMServer
+from trainer.sync.weight_sync import WeightSynchronizer
 
 EXAMPLES = ("custom_rewards", "multi_task_rewards", "tool_calling", "increment_env", "multi_environment", "curriculum")
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"

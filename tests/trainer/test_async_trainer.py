@@ -16,11 +16,16 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.spread_reward import token_reward
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, free_port
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.errors import ConfigError, RolloutWorkerError, VLLMServerError, WeightSyncError
-from trainer.sampler_client import SamplerClient, SamplingParams
-from trainer.vllm_server import VLLMServer, VLLMServerConfig, free_port
-from trainer.weight_sync import WeightSynchronizer
+from trainer.exceptions import (
+    ConfigError,
+    RolloutWorkerError,
+    VLLMServerError,
+    WeightSyncError,
+)
+from trainer.rollout.sampler_client import SamplerClient, SamplingParams
+from trainer.sync.weight_sync import WeightSynchronizer
 
 # Reward functions live at module level: they must pickle into the spawned worker.
 
@@ -99,7 +104,7 @@ def test_short_run_trains_syncs_and_logs(
     }
     seen = set().union(*(h.keys() for h in trainer.state.log_history))
     assert expected <= seen, f"missing metrics: {sorted(expected - seen)}"
-    assert trainer.worker is None, "the worker is stopped when train() returns"
+    assert trainer.rollout.worker is None, "the worker is stopped when train() returns"
 
 
 def test_staleness_drop_and_backpressure_show_in_metrics(
@@ -151,7 +156,7 @@ def test_worker_crash_raises_with_its_traceback(vllm_server: VLLMServer, tiny_mo
     with pytest.raises(RolloutWorkerError, match="reward exploded on purpose") as info:
         trainer.train()
     assert "Traceback" in str(info.value)
-    assert trainer.worker is None
+    assert trainer.rollout.worker is None
 
 
 def test_hung_worker_is_detected_and_stopped(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -205,6 +210,6 @@ def test_server_dying_mid_run_gives_a_clear_error(tiny_model_dir: Path, tmp_path
         with pytest.raises((VLLMServerError, WeightSyncError, RolloutWorkerError), match="vLLM server|retries"):
             trainer.train()
         assert time.monotonic() - t0 < 120
-        assert trainer.worker is None
+        assert trainer.rollout.worker is None
     finally:
         server.stop()

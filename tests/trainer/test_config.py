@@ -7,7 +7,7 @@ import torch
 
 import trainer.config as config_module
 from trainer.config import AsyncGRPOConfig
-from trainer.errors import ConfigError
+from trainer.exceptions import ConfigError
 
 
 @pytest.fixture()

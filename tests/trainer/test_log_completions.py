@@ -9,11 +9,11 @@ import pytest
 from datasets import Dataset
 
 from tests.trainer.spread_reward import token_reward
+from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.errors import ConfigError
+from trainer.exceptions import ConfigError
 from trainer.reporting import CompletionRecord, completions_markdown
-from trainer.vllm_server import VLLMServer
-from trainer.weight_sync import WeightSynchronizer
+from trainer.sync.weight_sync import WeightSynchronizer
 
 
 def test_completions_are_printed_and_sent_to_tensorboard(

@@ -11,9 +11,9 @@ import pytest
 
 from environments.counter import IncrementEnv
 from sdk import environment_tools
-from trainer.chat_template import parse_tool_calls
 from trainer.rewards import TOOL_ERROR_PENALTY, accuracy_reward, tool_error_penalty
-from trainer.tool_runner import ToolRunner
+from trainer.rollout.chat_template import parse_tool_calls
+from trainer.rollout.tool_runner import ToolRunner
 
 
 def answer(text: str) -> list[dict[str, str]]:

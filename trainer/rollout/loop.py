@@ -1,0 +1,579 @@
+"""``AsyncRolloutLoop``: generates and scores rollouts in the worker process.
+
+Each prompt goes through, in order: :meth:`~AsyncRolloutLoop.filter_prompt` (generate for it?),
+``num_generations`` x :meth:`~AsyncRolloutLoop.generate_one` (a whole rollout; the default is a
+multi-turn tool loop calling :meth:`~AsyncRolloutLoop.generate_one_turn` per sampling request),
+then the group is scored (reward functions + environments' ``get_reward`` + ``Rollout.reward``)
+and :meth:`~AsyncRolloutLoop.compute_advantages` runs once. The training samples go on the queue
+the trainer drains. :meth:`~AsyncRolloutLoop.setup` / :meth:`~AsyncRolloutLoop.close` bracket the
+run on the loop's event loop. Customise a run by subclassing and setting the trainer's
+``loop_cls``; the subclass must be importable (module level), as the loop is built in a spawned
+process. A hook logs its own metrics with :meth:`~AsyncRolloutLoop.log_metric` /
+:meth:`~AsyncRolloutLoop.log_rate`: they reach the trainer's logs with the built-in ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from sdk.exceptions import ToolgymError
+from sdk.tools import Tool, environment_tools
+from trainer.config import AsyncGRPOConfig
+from trainer.exceptions import RolloutWorkerError, VLLMServerError
+from trainer.metrics import RecordBuffer
+from trainer.records import (
+    QueuedGroup,
+    Rollout,
+    RolloutGroup,
+    TrainingSample,
+    TurnRecord,
+    adapter_name,
+)
+from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls
+from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
+from trainer.rollout.env_pool import EnvironmentPool
+from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
+from trainer.rollout.reconcile import reconcile_turns
+from trainer.rollout.sampler_client import SamplerClient, SamplingParams
+from trainer.rollout.scoring import (
+    call_reward_funcs,
+    group_advantages,
+    is_degenerate,
+    reward_func_name,
+    sum_rewards,
+)
+from trainer.rollout.stats import record_group_metrics, record_rollout_metrics
+from trainer.rollout.tool_runner import (
+    ToolRunner,
+    call_maybe_async,
+    tools_from_functions,
+)
+from trainer.rollout.worker import WorkerChannels
+
+logger = logging.getLogger(__name__)
+
+LOAD_POLL_S = 5.0
+HEARTBEAT_S = 1.0
+METRICS_FLUSH_S = 1.0
+# The policy version a group started under, seen by its rollouts' requests (asyncio tasks copy it).
+_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("toolgym_group_version", default=None)
+FAILING_ROLLOUTS_LIMIT = 32  # consecutive failed rollouts (none succeeding) before the run stops
+
+
+class _RolloutFailed(Exception):
+    """A rollout could not run (its environment's reset raised, ...): the group goes on without it."""
+
+
+class AsyncRolloutLoop:
+    """Generates and scores rollouts for :class:`~trainer.AsyncGRPOTrainer` in the rollout process.
+
+    Args:
+        config: The trainer config (a subclass may carry its own fields).
+        model_name: The model name the vLLM server serves.
+        dataset: Training prompts (``None`` when the environment owns the data).
+        reward_funcs: Reward functions (may be empty when environments score).
+        processing_class: The tokenizer (with its chat template).
+        eos_token_ids: Token ids that end a turn.
+        channels: The IPC channels to the trainer.
+        tools: Functions exposed to the model as tools.
+        environment_factory: Environment factory, or dict name -> factory.
+        score_queue_maxsize: Finished groups waiting to be scored before generation blocks.
+        dataset_start_index: Stream position to start from (resume).
+        max_model_len: The server's ``max_model_len`` (discovered by the trainer).
+        kv_cache_tokens: The server's KV-cache capacity, ``None`` when unknown.
+        chat_template: The template :meth:`generate_one` renders with instead of the tokenizer's own
+            (the training template the trainer chose at start, see :mod:`trainer.rollout.training_templates`).
+        lora_name: With adapter-only LoRA sync, the prefix of the adapters' names: each request
+            asks for the adapter of the policy version its group started under
+            (:meth:`rollout_model`). ``None``: the base model's name.
+    """
+
+    def __init__(
+        self,
+        config: AsyncGRPOConfig,
+        model_name: str,
+        dataset: Any,
+        reward_funcs: list[Any],
+        processing_class: Any,
+        eos_token_ids: list[int],
+        channels: WorkerChannels,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+        score_queue_maxsize: int = 16,
+        dataset_start_index: int = 0,
+        max_model_len: int = 2048,
+        kv_cache_tokens: int | None = None,
+        chat_template: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs)
+        self.tokenizer = processing_class
+        self.eos_token_ids = list(eos_token_ids)
+        self.channels = channels
+        self.tools = tools_from_functions(tools)
+        self.envs = EnvironmentPool(environment_factory)
+        self.score_queue_maxsize = score_queue_maxsize
+        self.start_position = dataset_start_index
+        self.max_model_len = max_model_len
+        self.kv_cache_tokens = kv_cache_tokens
+        self.chat_template_kwargs = dict(config.chat_template_kwargs or {})
+        self.chat_template = chat_template
+        self.lora_name = lora_name
+        self._incremental_render: bool | None = None  # decided on the first rollout
+        self.records = RecordBuffer()
+        self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts, thread_name_prefix="tool")
+        self.sampler = SamplerClient(config.vllm_server_base_url, max_connections=config.max_concurrent_rollouts,
+                                     timeout_s=config.vllm_server_timeout, seed=config.seed)
+        self.params = SamplingParams(
+            max_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, min_p=config.min_p, logprobs=config.num_sampler_logprobs,
+            stop_token_ids=self.eos_token_ids,
+        )
+        self._failed_in_a_row = 0
+        self._generated_tokens = 0
+
+    # ----------------------------------------------------------------------------------- hooks
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one value of a metric of your own from any hook (e.g. ``"curriculum/skipped_count"``).
+
+        The value travels to the trainer with the worker's metrics (about once a second) and is
+        logged with the next step, reduced over the logging window by the name's last part: a word
+        ``count`` sums, ``max`` / ``min`` keep the extreme, anything else is averaged (so log a
+        per-event value, not a running total). Use a prefix of your own to stay clear of built-in names.
+
+        Args:
+            name: The metric name, ``/``-separated.
+            value: The observation.
+        """
+        self.records.add(name, value)
+
+    def log_rate(self, name: str, numerator: float, denominator: float) -> None:
+        """Log one observation of a ratio, logged as sum of numerators / sum of denominators.
+
+        Use it for a fraction over events whose count varies (solved / attempted): the window's
+        value weighs every event equally, and is NaN when no denominator was logged in it.
+
+        Args:
+            name: The metric name, ``/``-separated.
+            numerator: This observation's share of the numerator.
+            denominator: This observation's share of the denominator.
+        """
+        self.records.add_rate(name, numerator, denominator)
+
+    async def setup(self) -> None:
+        """Create resources the other hooks need (an HTTP client...). Runs before the first prompt."""
+
+    async def close(self) -> None:
+        """Release what :meth:`setup` created. Runs when the loop stops, also on error."""
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for this prompt; a rejected prompt counts as consumed. Default: all."""
+        return True
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """Sample one response to ``prompt_ids`` from the vLLM server with the config's settings.
+
+        ``max_tokens`` is ``max_completion_length``, reduced so that prompt + completion fit the
+        server's ``max_model_len``. An override that calls ``self.sampler.complete`` itself passes
+        ``model=self.rollout_model()`` (the LoRA adapter of the rollout's policy version).
+        """
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            return TurnRecord(prompt_ids=list(prompt_ids), output_ids=[], finish_reason="length")
+        params = self.params
+        if room < params.max_tokens:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": room})
+        try:
+            return await self.sampler.complete(prompt_ids, params, model=self.rollout_model())
+        except VLLMServerError as exc:
+            if self.lora_name is None or "HTTP 404" not in exc.message:
+                raise
+            # The group's adapter was retired between rollout_model() and the request: the group is
+            # more than max_staleness versions old, so the trainer drops it; finish on the newest.
+            newest = adapter_name(self.lora_name, int(self.channels.model_version.value))
+            return await self.sampler.complete(prompt_ids, params, model=newest)
+
+    def rollout_model(self) -> str | None:
+        """The ``model`` a request of the current rollout asks for: ``None`` (the base model) without
+        adapter-only LoRA sync, else the adapter of the version the rollout's group started under, or
+        the newest when that one is too stale to stay loaded (the trainer drops such a group)."""
+        if self.lora_name is None:
+            return None
+        current = int(self.channels.model_version.value)
+        started = _GROUP_VERSION.get()
+        version = current if started is None or current - started > self.config.max_staleness else started
+        return adapter_name(self.lora_name, version)
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Tool], group_id: int = 0) -> Rollout:
+        """One whole rollout: a multi-turn tool loop.
+
+        Each turn renders the whole conversation with the chat template (tools as JSON schemas),
+        samples with :meth:`generate_one_turn`, parses the tool calls and runs them in emitted order,
+        until a turn calls no tool or ``max_tool_calling_iterations`` is reached. Only the text a turn
+        added is tokenized again (:class:`~trainer.rollout.prompt_render.ConversationRenderer`; the ids are
+        those of a full render).
+        """
+        messages = list(prompt)
+        schemas = [t.schema for t in tools] or None
+        if self._incremental_render is None:
+            self._incremental_render = splits_at_added_tokens(
+                self.tokenizer, schemas, self.chat_template, **self.chat_template_kwargs)
+        render = ConversationRenderer(self.tokenizer, schemas, self.chat_template, self._incremental_render,
+                                      **self.chat_template_kwargs)
+        runner = ToolRunner(tools, self.executor)
+        turns: list[TurnRecord] = []
+        completion: list[dict[str, Any]] = []
+        calls = failures = iterations = 0
+        exhausted = False
+        while True:
+            prompt_ids = render(messages)
+            turn = await self.generate_one_turn(prompt_ids)
+            turns.append(turn)
+            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            message = build_assistant_message(text)
+            messages.append(message)
+            completion.append(message)
+            _, parsed = parse_tool_calls(text) if tools else ("", [])
+            if not parsed or not turn.output_ids:
+                break
+            limit = self.config.max_tool_calling_iterations
+            if limit is not None and iterations >= limit:
+                exhausted = True
+                break
+            iterations += 1
+            self.records.add("tools/parallel_calls_mean", len(parsed))
+            for call in parsed:
+                outcome = await runner.run(call)
+                calls += 1
+                failures += outcome.failed
+                self._record_tool_call(outcome)
+                tool_message = {"role": "tool", "name": outcome.name or "", "content": outcome.content}
+                messages.append(tool_message)
+                completion.append(tool_message)
+        if tools:  # the tool metrics exist only when the model was shown tools
+            self.records.add("tools/loop_exhausted_frac", float(exhausted))
+            self.records.add("tools/call_frequency", calls)
+            self.records.add_rate("tools/failure_frequency", 0, 0)  # NaN in a window without calls
+        completion_ids = [t for turn in turns for t in turn.output_ids]
+        return Rollout(completion=completion, completion_ids=completion_ids, turns=turns,
+                       tool_call_count=calls, tool_failure_count=failures)
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards normalised within the group (NaN rewards get 0)."""
+        assert group.rewards is not None
+        return group_advantages(group.rewards)
+
+    # ------------------------------------------------------------------------------ the run
+    async def run(self) -> None:
+        """Generate until the trainer sets the stop event (or a failure raises)."""
+        await self.setup()
+        background: list[asyncio.Task[None]] = []
+        self._groups: set[asyncio.Task[None]] = set()
+        try:
+            await self.sampler.wait_ready(self.config.vllm_server_timeout)
+            await self.sampler.model_name()
+            self.cap = AdaptiveCap(self.config.max_concurrent_rollouts, self.kv_cache_tokens, self.max_model_len)
+            self.allowance = TokenAllowance()
+            self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int]] = asyncio.Queue(
+                self.score_queue_maxsize)
+            background = [asyncio.create_task(c) for c in (
+                self._heartbeat(), self._poll_load(), self._flush_metrics(), self._score_forever())]
+            self._group_failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            producer = asyncio.create_task(self._produce())
+            stop = asyncio.create_task(self._wait_stop())
+            done, _ = await asyncio.wait([producer, stop, self._group_failure, *background],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            producer.cancel()
+            stop.cancel()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            # Groups still in flight are abandoned (the trainer stopped): cancel them before their
+            # environments close under them, which would report every one as a failed rollout.
+            for task in self._groups:
+                task.cancel()
+            await asyncio.gather(*self._groups, return_exceptions=True)
+            await self.envs.aclose()
+            await self.sampler.close()
+            await self.close()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _wait_stop(self) -> None:
+        while not self.channels.stop.is_set():
+            await asyncio.sleep(0.1)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.channels.heartbeat.value = time.time()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _poll_load(self) -> None:
+        last_preemptions: float | None = None
+        while True:
+            load = await self.sampler.load()
+            await self.cap.observe(load)
+            self.records.add("rollout/concurrency_cap", self.cap.limit)
+            if load is not None:
+                self.records.add("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
+                self.records.add("rollout/vllm_running_requests", load.running)
+                self.records.add("rollout/vllm_queued_requests", load.waiting)
+                if last_preemptions is not None:
+                    self.records.add("rollout/vllm_preemption_count", max(load.preemptions - last_preemptions, 0))
+                last_preemptions = load.preemptions
+            await asyncio.sleep(LOAD_POLL_S)
+
+    async def _flush_metrics(self) -> None:
+        retries_sent = 0
+        tokens_sent, t_last = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_S)
+            now = time.monotonic()
+            self.records.add("rollout/vllm_retry_count", self.sampler.retry_count - retries_sent)
+            retries_sent = self.sampler.retry_count
+            self.records.add_rate("rollout/generated_tokens_per_s", self._generated_tokens - tokens_sent, now - t_last)
+            tokens_sent, t_last = self._generated_tokens, now
+            self.records.add("rollout/score_queue_size", self.score_queue.qsize())
+            self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
+            self._send_records()
+
+    def _send_records(self) -> None:
+        batch = self.records.take()
+        if batch:
+            self.channels.metrics_queue.put(batch)
+
+    # --------------------------------------------------------------------------- producing
+    def _prompt_stream(self) -> Any:
+        """Yields (position, row_index, row, epoch) from ``start_position`` on, forever."""
+        position = self.start_position
+        if self.dataset is None:
+            while True:
+                yield position, position, {}, 0
+                position += 1
+        n = len(self.dataset)
+        order: list[int] = []
+        order_epoch = -1
+        while True:
+            epoch, offset = divmod(position, n)
+            if epoch != order_epoch:
+                order = list(range(n))
+                random.Random(self.config.seed + epoch).shuffle(order)
+                order_epoch = epoch
+            row_index = order[offset]
+            yield position, row_index, dict(self.dataset[row_index]), epoch
+            position += 1
+
+    async def _produce(self) -> None:
+        rejected_in_a_row = 0
+        size = len(self.dataset) if self.dataset is not None else None
+        for position, row_index, row, epoch in self._prompt_stream():
+            if not self.filter_prompt(row_index, row, epoch):
+                rejected_in_a_row += 1
+                if size is not None and rejected_in_a_row >= size:
+                    raise RolloutWorkerError("filter_prompt rejected every prompt of a whole epoch: "
+                                             "no batch can ever reach the trainer")
+                self.channels.rollout_buffer.put(QueuedGroup(position, row_index))
+                continue
+            rejected_in_a_row = 0
+            t0 = time.monotonic()
+            waited = False
+            while not self.allowance.may_start(self.channels.token_allowance.value, self.channels.consumed_tokens.value):
+                waited = True
+                await asyncio.sleep(0.02)
+            if waited:
+                self.records.add("rollout/backpressure_s", time.monotonic() - t0)
+            await self.cap.wait_for_room()
+            self.cap.reserve(self.config.num_generations)
+            self.allowance.started()
+            task = asyncio.create_task(self._run_group(position, row_index, row))
+            self._groups.add(task)
+            task.add_done_callback(self._group_done)
+            task.add_done_callback(self._groups.discard)
+            await asyncio.sleep(0)
+
+    def _group_done(self, task: asyncio.Task[None]) -> None:
+        """A group task ended: its failure (the server is gone, a hook raised...) stops the run."""
+        if not task.cancelled() and task.exception() is not None and not self._group_failure.done():
+            self._group_failure.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
+        version = int(self.channels.model_version.value)
+        _GROUP_VERSION.set(version)  # this task's context, copied into its rollouts' tasks
+        results = await asyncio.gather(*(self._one_rollout(row, position, reserved=True)
+                                         for _ in range(self.config.num_generations)),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, _RolloutFailed):
+                raise r
+        ok = [r for r in results if isinstance(r, tuple)]
+        if not ok:
+            self.allowance.finished(0, 0)
+            self.channels.rollout_buffer.put(QueuedGroup(position, row_index, policy_version=version))
+            return
+        prompts = [p for p, _, _ in ok]
+        rollouts = [r for _, r, _ in ok]
+        env_rewards = [e for _, _, e in ok]
+        columns = {k: v for k, v in row.items() if k != "prompt"}  # reward functions get "environment" too
+        sequences = []
+        for rollout in rollouts:
+            seqs, stats = reconcile_turns(rollout.turns)
+            sequences.append(seqs)
+            record_rollout_metrics(self.records, rollout, seqs, stats, self.eos_token_ids)
+            self._generated_tokens += len(rollout.completion_ids)
+        group = RolloutGroup(
+            prompts=prompts, reward_kwargs={k: [v] * len(rollouts) for k, v in columns.items()},
+            completions=[r.completion for r in rollouts], completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=sequences, tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version, group_id=position,
+            row_index=row_index, env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
+            queued_at=time.monotonic(), truncated=[r.truncated(self.eos_token_ids) for r in rollouts],
+        )
+        t0 = time.monotonic()
+        await self.score_queue.put((group, rollouts, position))
+        self.records.add("rollout/score_block_s", time.monotonic() - t0)
+
+    async def _one_rollout(self, row: dict[str, Any], position: int,
+                           reserved: bool = False) -> tuple[list[dict[str, Any]], Rollout, Any]:
+        """Acquire a slot (promised to this rollout's group when ``reserved``) and an environment, run
+        :meth:`generate_one`, score the environment."""
+        await self.cap.acquire(reserved)
+        t0 = time.monotonic()
+        name, env = None, None
+        try:
+            prompt = list(row.get("prompt") or [])
+            tools = list(self.tools)
+            if self.envs.enabled:
+                name = self.envs.resolve(row)
+                env = self.envs.acquire(name)
+                prompt = await self._reset_env(env, row, prompt)
+                tools += environment_tools(env)
+            if not prompt:
+                raise _RolloutFailed("the rollout has no prompt: the dataset row has no 'prompt' and reset() returned None")
+            try:
+                rollout = await self.generate_one(prompt, tools, group_id=position)
+                env_reward = await self._env_reward(env) if env is not None else None
+            except ToolgymError as exc:  # the env server or its session failed, not the model
+                raise _RolloutFailed(f"environment {type(env).__name__}: {type(exc).__name__}: {exc}") from exc
+            self._failed_in_a_row = 0
+            return prompt, rollout, env_reward
+        except _RolloutFailed as exc:
+            self._rollout_failed(str(exc), env)
+            raise
+        finally:
+            if env is not None:
+                self.envs.release(name, env)
+            self.records.add("rollout/duration_s", time.monotonic() - t0)
+            await self.cap.release()
+
+    async def _reset_env(self, env: Any, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+        t0 = time.monotonic()
+        try:
+            text = await call_maybe_async(env.reset, self.executor, **kwargs)
+        except Exception as exc:
+            raise _RolloutFailed(f"{type(env).__name__}.reset raised {type(exc).__name__}: {exc}") from exc
+        self.records.add("env/reset_s", time.monotonic() - t0)
+        if text is None:
+            return prompt
+        if prompt and prompt[-1].get("role") == "user":
+            last = dict(prompt[-1])
+            last["content"] = f"{last.get('content') or ''}{text}"
+            return [*prompt[:-1], last]
+        return [*prompt, {"role": "user", "content": str(text)}]
+
+    async def _env_reward(self, env: Any) -> tuple[type, float] | None:
+        get_reward = getattr(env, "get_reward", None)
+        if get_reward is None:
+            return None
+        t0 = time.monotonic()
+        value = await call_maybe_async(get_reward, self.executor)
+        self.records.add("env/reward_s", time.monotonic() - t0)
+        return None if value is None else (type(env), float(value))
+
+    def _rollout_failed(self, message: str, env: Any) -> None:
+        logger.warning("rollout failed: %s", message)
+        if env is not None:
+            self.envs.discard(env)
+        self._failed_in_a_row += 1
+        self.records.add("rollout/failed_count", 1)
+        if self._failed_in_a_row >= FAILING_ROLLOUTS_LIMIT:
+            raise RolloutWorkerError(f"every rollout is failing ({self._failed_in_a_row} in a row, none "
+                                     f"succeeded); the last error: {message}")
+
+    def _record_tool_call(self, outcome: Any) -> None:
+        name = outcome.name or "<unparsed>"
+        self.records.add(f"tools/{name}/call_count", 1)
+        self.records.add(f"tools/{name}/failure_count", int(outcome.failed))
+        self.records.add("tools/unknown_name_count", int(outcome.unknown))
+        self.records.add_rate("tools/failure_frequency", int(outcome.failed), 1)
+        if not outcome.unknown:
+            self.records.add("tools/latency_s", outcome.latency_s)
+            self.records.add(f"tools/{name}/latency_s", outcome.latency_s)
+
+    # ---------------------------------------------------------------------------- scoring
+    async def _score_forever(self) -> None:
+        while True:
+            group, rollouts, position = await self.score_queue.get()
+            self.records.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
+            t0 = time.monotonic()
+            queued = self._score(group, await call_reward_funcs(self.reward_funcs, group, self.executor), position)
+            self.records.add("rollout/score_s", time.monotonic() - t0)
+            total_tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
+            self.allowance.finished(queued.tokens, total_tokens)
+            # The group's reward metrics go out before the group: the step that trains it logs them.
+            self._send_records()
+            self.channels.rollout_buffer.put(queued)
+
+    def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int) -> QueuedGroup:
+        n = len(group.completions)
+        sources: dict[str, list[float | None]] = {
+            reward_func_name(f): values for f, values in zip(self.reward_funcs, func_rewards)}
+        env_names = {e[0].__name__ for e in group.env_rewards if e is not None}
+        for env_name in env_names:
+            sources[env_name] = [e[1] if e is not None and e[0].__name__ == env_name else None
+                                 for e in group.env_rewards]
+        if any(r is not None for r in group.rollout_rewards):
+            sources["rollout"] = list(group.rollout_rewards)
+        group.rewards = sum_rewards(list(sources.values()), n)
+        trained_rewards = group.rewards
+        if self.config.mask_truncated_completions and any(group.truncated):
+            # A masked rollout is not trained, so it is left out of the baseline too: the advantages
+            # of the rollouts that are trained still sum to zero, and a prefix they all share gets
+            # no net push either way.
+            trained_rewards = np.where(np.asarray(group.truncated), np.nan, group.rewards)
+        dropped = is_degenerate(trained_rewards)
+        record_group_metrics(self.records, group, sources, dropped)  # every rollout's reward, truncated or not
+        group.rewards = trained_rewards
+        queued = QueuedGroup(position, group.row_index, policy_version=group.model_version)
+        # The hook runs for every group, a dropped one too (a curriculum tracks solved prompts there);
+        # dropping is decided on the rewards above, not on what it returns.
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (n,):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}, expected ({n},)")
+        if dropped:
+            return queued
+        now = time.time()
+        for i, seqs in enumerate(group.completions_sequences):
+            if self.config.mask_truncated_completions and group.truncated[i]:
+                continue  # masked: out of the baseline above, and out of the loss
+            for seq in seqs:
+                queued.samples.append(TrainingSample(
+                    sequence=seq, advantage=float(advantages[i]), group_id=position,
+                    policy_version=group.model_version, row_index=group.row_index,
+                    reward=float(group.rewards[i]), queued_at=now))
+        queued.tokens = sum(s.num_tokens for s in queued.samples)
+        return queued

@@ -1,0 +1,191 @@
+"""Adapter-only LoRA sync: the server serves each policy version as a LoRA adapter of its own.
+
+Chosen at trainer start when the model is a PEFT LoRA model and the server runs ``--enable-lora``
+with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (read from the dev-mode ``/server_info`` route, like the
+``/pause`` and weight-transfer routes every sync uses); otherwise the trainer merges the adapter
+into the base weights and sends those (:func:`trainer.sync.weight_sync.merged_lora_weights`). One sync::
+
+    save_pretrained  -> <output_dir>/.vllm_lora/<lora_name>-v<version>/
+    POST /v1/load_lora_adapter {"lora_name": "<lora_name>-v<version>", "lora_path": ...}
+    (the trainer publishes the new version: new rollouts ask for that name)
+    POST /v1/unload_lora_adapter  for every version beyond the newest max_staleness + 1, and rm -r its folder
+
+Generation is not paused: a running request keeps the adapter it started with, a new adapter name
+never shares prefix-cache blocks with an old one, and a rollout requests the adapter of the version
+it started under (:func:`adapter_name`), so it finishes under that policy. vLLM reads adapters from
+disk, so ``output_dir`` must be visible to the server. The folder is a serving cache: checkpoints
+keep the trained adapter.
+
+vLLM 0.32 facts this relies on: ``/server_info?config_format=json`` carries ``vllm_config.lora_config``
+(``max_loras``, ``max_lora_rank``; ``null`` without ``--enable-lora``) and ``vllm_env``; a failed load
+answers 4xx/5xx with the reason (e.g. 404 "No adapter found"); unloading only unregisters the name
+(the engine's adapter cache is an LRU of ``max_loras`` entries, so in-flight requests keep theirs).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.exceptions import ConfigError, VLLMServerError, WeightSyncError
+from trainer.records import adapter_name
+from trainer.sync.weight_sync import SyncTimings, VLLMAdminClient
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+LORA_CACHE_DIR = ".vllm_lora"
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerLoRAConfig:
+    """What the server allows for adapters loaded at run time (its ``--max-loras``, ``--max-lora-rank``)."""
+
+    max_loras: int
+    max_lora_rank: int
+
+
+def server_lora_config(client: VLLMAdminClient) -> ServerLoRAConfig | None:
+    """The server's LoRA limits when it can load adapters at run time, ``None`` when it cannot.
+
+    It can when it was started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``;
+    both are read from ``/server_info``. A server without that route (not in dev mode) cannot
+    be told apart, so it gets the merged sync.
+    """
+    try:
+        info = client.request("GET", "/server_info?config_format=json")
+    except VLLMServerError as exc:
+        logger.info("LoRA: /server_info is not available (%s); using the merged-weight sync", exc.message)
+        return None
+    if not isinstance(info, dict):
+        return None
+    lora = (info.get("vllm_config") or {}).get("lora_config")
+    runtime = str((info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower()
+    if not lora:
+        return None
+    if runtime not in ("true", "1"):
+        logger.warning("LoRA: the server runs --enable-lora without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so "
+                       "adapters cannot be loaded at run time; using the merged-weight sync")
+        return None
+    return ServerLoRAConfig(max_loras=int(lora["max_loras"]), max_lora_rank=int(lora["max_lora_rank"]))
+
+
+def adapter_rank(model: PeftModel) -> int:
+    """The largest LoRA rank of the PEFT model's active adapters (``r`` and any ``rank_pattern``)."""
+    ranks = [1]
+    for name in _active_adapters(model):
+        config = model.peft_config[name]
+        ranks.append(int(config.r))
+        ranks += [int(r) for r in (getattr(config, "rank_pattern", None) or {}).values()]
+    return max(ranks)
+
+
+def _active_adapters(model: PeftModel) -> list[str]:
+    active = model.active_adapter
+    return list(active) if isinstance(active, (list, tuple)) else [active]
+
+
+def adapter_sync_obstacle(model: PeftModel) -> str | None:
+    """Why this PEFT model cannot be served as an adapter (then the merged sync is used), or ``None``."""
+    configs = [model.peft_config[name] for name in _active_adapters(model)]
+    if len(configs) != 1:
+        return f"{len(configs)} active adapters (vLLM serves one per request)"
+    config = configs[0]
+    if str(getattr(config, "peft_type", "")).split(".")[-1] != "LORA":
+        return f"a {config.peft_type} adapter (vLLM serves LoRA only)"
+    if getattr(config, "use_dora", False):
+        return "a DoRA adapter"
+    if getattr(config, "modules_to_save", None):
+        return f"modules_to_save={config.modules_to_save} (fully trained modules are not part of an adapter)"
+    return None
+
+
+def check_lora_limits(server: ServerLoRAConfig, max_staleness: int, rank: int) -> None:
+    """Raise :class:`ConfigError` naming the flag to restart the server with when the limits do not fit.
+
+    ``max_staleness + 1`` versions stay registered and the next one is loaded before the oldest
+    goes, so ``--max-loras`` must be at least ``max_staleness + 2``; ``--max-lora-rank`` must be at
+    least the adapter's rank (it is the largest rank served, not the rank served).
+    """
+    problems = []
+    if server.max_loras < max_staleness + 2:
+        problems.append(
+            f"--max-loras is {server.max_loras} but max_staleness={max_staleness} keeps {max_staleness + 1} adapter "
+            f"versions registered and loads the next before the oldest goes: restart the server with "
+            f"--max-loras {max_staleness + 2} (or lower max_staleness)")
+    if server.max_lora_rank < rank:
+        allowed = [r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank]
+        fix = f"--max-lora-rank {allowed[0]}" if allowed else "a smaller LoRA rank"
+        problems.append(f"--max-lora-rank is {server.max_lora_rank} but the adapter's rank is {rank}: "
+                        f"restart the server with {fix}")
+    if problems:
+        raise ConfigError("the vLLM server runs --enable-lora (adapter-only sync) but " + "; ".join(problems))
+
+
+class LoRAAdapterSync:
+    """Saves, registers and retires adapter versions on the server.
+
+    Args:
+        client: The server's admin client (its timeout bounds every call).
+        cache_dir: Where versions are written (``<output_dir>/.vllm_lora``); must be readable by the server.
+        lora_name: Prefix of the served names (:func:`adapter_name`); unique per run, so that a
+            server shared between runs never sees the same name twice.
+        keep: Versions kept registered (``max_staleness + 1``).
+    """
+
+    def __init__(self, client: VLLMAdminClient, cache_dir: str | Path, lora_name: str, keep: int) -> None:
+        self.client = client
+        self.cache_dir = Path(cache_dir)
+        self.lora_name = lora_name
+        self.keep = keep
+        self.loaded: deque[int] = deque()
+
+    def folder(self, version: int) -> Path:
+        """Where ``version`` is written."""
+        return self.cache_dir / adapter_name(self.lora_name, version)
+
+    def load(self, model: PeftModel, version: int) -> SyncTimings:
+        """Write the PEFT model's adapter as ``version`` and register it; raises :class:`WeightSyncError`
+        with the server's message when the server refuses it (the version's folder is removed)."""
+        t0 = time.perf_counter()
+        folder = self.folder(version)
+        if folder.exists():  # a previous attempt at this version
+            shutil.rmtree(folder)
+        active = _active_adapters(model)[0]
+        model.save_pretrained(str(folder), selected_adapters=[active])
+        path = folder if active == "default" else folder / active  # PEFT's layout for other names
+        body = {"lora_name": adapter_name(self.lora_name, version), "lora_path": str(path.resolve())}
+        try:
+            self.client.request("POST", "/v1/load_lora_adapter", body, error=WeightSyncError)
+        except WeightSyncError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.loaded.append(version)
+        return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
+
+    def retire(self) -> float:
+        """Unload every version beyond the newest ``keep`` and delete its folder; returns the seconds spent."""
+        t0 = time.perf_counter()
+        while len(self.loaded) > self.keep:
+            self._unload(self.loaded.popleft())
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Unload every registered version and delete the cache folder (best effort: the run is over)."""
+        while self.loaded:
+            try:
+                self._unload(self.loaded.popleft())
+            except VLLMServerError as exc:
+                logger.warning("LoRA: could not unload an adapter at shutdown: %s", exc)
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    def _unload(self, version: int) -> None:
+        body = {"lora_name": adapter_name(self.lora_name, version)}
+        self.client.request("POST", "/v1/unload_lora_adapter", body, error=WeightSyncError)
+        shutil.rmtree(self.folder(version), ignore_errors=True)

@@ -1,0 +1,347 @@
+"""Trainer side of weight synchronisation: push the policy's weights into the running vLLM server.
+
+One sync is vLLM's standard sequence, timed per phase::
+
+    POST /pause?mode=keep              running requests keep their state; new tokens wait
+    POST /start_weight_update
+    POST /update_weights  (x chunks)   the backend moves the tensors
+    POST /finish_weight_update         with the new policy version as weight_version
+    POST /reset_prefix_cache           cached prefixes were computed with the old weights
+    POST /resume
+
+Backends (chosen to match the server's ``--weight-transfer-config``):
+
+* ``toolgym_shm`` (:class:`SharedMemorySender`, CPU): each chunk is a safetensors file in shared
+  memory; only its path and the tensor metadata travel in the JSON body. The server side is
+  :mod:`trainer.sync.vllm_plugin`.
+* ``nccl`` (:class:`NCCLSender`, GPU): vLLM's own trainer-side engine
+  (``NCCLTrainerWeightTransferEngine``) broadcasting from trainer rank 0 to the server's workers
+  (``rank_offset=1``), with :class:`VLLMAdminClient` as its control-plane client, so the HTTP call
+  carries the timeout and a failure raises instead of hanging.
+
+Every tensor is checked against the served checkpoint's names and shapes *before*
+``/start_weight_update``: a failure after that point leaves the server half-updated, so it is
+raised as a :class:`~trainer.exceptions.WeightSyncError` and treated as fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from trainer.exceptions import VLLMServerError, WeightSyncError
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class VLLMAdminClient:
+    """Blocking client for the vLLM server's control routes (dev mode).
+
+    It also satisfies vLLM's ``VLLMWeightSyncClient`` protocol (the four weight-update methods),
+    so vLLM's trainer-side engines can drive the server through it.
+
+    Args:
+        base_url: The server, e.g. ``http://127.0.0.1:8000``.
+        timeout_s: Timeout of each call, in seconds (``vllm_server_timeout``).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 1800.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def request(self, method: str, path: str, body: Any = None, *, error: type[VLLMServerError] = VLLMServerError) -> Any:
+        """Call ``path``; returns the decoded JSON (or text) body, raises ``error`` on failure."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}{path}", data=data, method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise error(f"{method} {path} failed with HTTP {e.code}", e.read().decode(errors="replace")) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise error(f"{method} {path} could not reach the vLLM server at {self.base_url}: {e}") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw.decode(errors="replace")
+
+    def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling new tokens; ``keep`` preserves running requests' state."""
+        self.request("POST", f"/pause?mode={mode}")
+
+    def resume(self) -> None:
+        """Resume generation after :meth:`pause`."""
+        self.request("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (their KV was computed with the old weights)."""
+        self.request("POST", "/reset_prefix_cache")
+
+    # --- vLLM's VLLMWeightSyncClient protocol -------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``/init_weight_transfer_engine`` with backend-specific ``init_info``."""
+        self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info}, error=WeightSyncError)
+
+    def start_weight_update(self) -> None:
+        """``/start_weight_update``."""
+        self.request("POST", "/start_weight_update", error=WeightSyncError)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``/update_weights`` with one chunk's backend-specific ``update_info``."""
+        self.request("POST", "/update_weights", {"update_info": update_info}, error=WeightSyncError)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``/finish_weight_update``, recording ``weight_version`` on the server."""
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self.request("POST", "/finish_weight_update", body, error=WeightSyncError)
+
+
+def checkpoint_manifest(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every tensor in a checkpoint directory's safetensors files.
+
+    Reads only the files' JSON headers. Returns an empty dict when the directory holds no
+    safetensors file (then nothing can be checked ahead of the transfer).
+    """
+    manifest: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name != "__metadata__":
+                manifest[name] = tuple(info["shape"])
+    return manifest
+
+
+def check_against_manifest(weights: NamedTensors, manifest: dict[str, tuple[int, ...]]) -> None:
+    """Raise :class:`WeightSyncError` when ``weights`` and the served checkpoint disagree.
+
+    Every sent name must exist with the same shape, and every checkpoint tensor must be sent (a
+    partial update would silently mix two policies).
+    """
+    if not manifest:
+        return
+    sent = dict(weights)
+    problems = [f"unknown tensor {n!r}" for n in sent if n not in manifest]
+    problems += [
+        f"tensor {n!r} has shape {list(t.shape)}, the served model has {list(manifest[n])}"
+        for n, t in sent.items() if n in manifest and tuple(t.shape) != manifest[n]
+    ]
+    problems += [f"tensor {n!r} is missing from the update" for n in manifest if n not in sent]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise WeightSyncError(f"refusing to send weights that do not match the served model: {shown}")
+
+
+def merged_lora_weights(model: torch.nn.Module) -> NamedTensors:
+    """A PEFT LoRA model's weights with its active adapters merged in, by the base checkpoint's names.
+
+    Computed out of place (base + the adapter's delta): ``merge_adapter`` then ``unmerge_adapter``
+    would add and subtract the delta in the model's own weights, and the rounding would drift the
+    frozen base a little at every sync.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, LoraLayer) or module.merged:
+                continue
+            adapters = [a for a in module.active_adapters if a in module.scaling]
+            if any(module.use_dora.get(a, False) for a in adapters):
+                raise WeightSyncError(f"{name}: DoRA adapters are not supported by the merged-weight sync")
+            if adapters:
+                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+        out: NamedTensors = []
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                continue
+            weight = param.detach()
+            if name in deltas:
+                weight = weight + deltas[name].to(weight.dtype)
+            out.append((name.replace("base_model.model.", "", 1).replace(".base_layer", ""), weight))
+    return out
+
+
+class WeightSender(Protocol):
+    """A backend that moves tensors into the server between start and finish."""
+
+    def init(self) -> None:
+        """One-time handshake with the server."""
+
+    def transfer(self, weights: NamedTensors, version: int) -> None:
+        """Run start -> update(s) -> finish(version) for ``weights``."""
+
+
+def _chunks(weights: NamedTensors, max_bytes: int) -> Iterator[NamedTensors]:
+    chunk: NamedTensors = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _shared_memory_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class SharedMemorySender:
+    """``toolgym_shm`` backend: safetensors files in shared memory, metadata over HTTP.
+
+    Args:
+        client: The server's admin client.
+        chunk_bytes: Largest chunk written at once (bounds the shared memory in use).
+    """
+
+    def __init__(self, client: VLLMAdminClient, chunk_bytes: int = 512 << 20) -> None:
+        self.client = client
+        self.chunk_bytes = chunk_bytes
+
+    def init(self) -> None:
+        """Handshake: tells the server's engine which wire protocol we speak."""
+        self.client.init_weight_transfer_engine({"protocol_version": 1})
+
+    def transfer(self, weights: NamedTensors, version: int) -> None:
+        """Write each chunk to shared memory, have the server load it, then finish."""
+        from safetensors.torch import save_file
+
+        self.client.start_weight_update()
+        with tempfile.TemporaryDirectory(prefix="toolgym-weights-", dir=_shared_memory_dir()) as tmp:
+            for i, chunk in enumerate(_chunks(weights, self.chunk_bytes)):
+                path = os.path.join(tmp, f"chunk{i}.safetensors")
+                save_file({n: t.detach().contiguous().cpu() for n, t in chunk}, path)
+                self.client.update_weights({
+                    "path": path,
+                    "names": [n for n, _ in chunk],
+                    "dtype_names": [str(t.dtype).split(".")[-1] for _, t in chunk],
+                    "shapes": [list(t.shape) for _, t in chunk],
+                })
+                os.unlink(path)
+        self.client.finish_weight_update(str(version))
+
+
+class _StaticSource:
+    """A re-iterable (name, tensor) source in the shape vLLM's trainer engines expect."""
+
+    def __init__(self, weights: NamedTensors) -> None:
+        self.weights = weights
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.weights)
+
+
+class NCCLSender:
+    """``nccl`` backend through vLLM's ``NCCLTrainerWeightTransferEngine`` (GPU servers).
+
+    The trainer's rank 0 is NCCL rank 0; the server's workers join at ``rank_offset=1``.
+    This path needs CUDA on both sides, so it is not exercised by the CPU test-suite.
+
+    Args:
+        client: The server's admin client (carries the HTTP timeout).
+        master_address: Address of the rendezvous store that this trainer opens.
+        master_port: Its port.
+        server_world_size: Number of the server's workers (``/get_world_size``).
+    """
+
+    def __init__(self, client: VLLMAdminClient, master_address: str, master_port: int, server_world_size: int) -> None:
+        self.client = client
+        self.master_address = master_address
+        self.master_port = master_port
+        self.server_world_size = server_world_size
+        self._source = _StaticSource([])
+        self._engine: Any = None
+
+    def init(self) -> None:
+        """Rendezvous with the server's workers and open the NCCL group."""
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        info = NCCLTrainerInitInfo(
+            master_address=self.master_address, master_port=self.master_port,
+            world_size=self.server_world_size + 1, rank=0,
+        )
+        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.client, source=self._source)
+
+    def transfer(self, weights: NamedTensors, version: int) -> None:
+        """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""
+        self._source.weights = weights
+        self._engine.send_weights()
+        self.client.request("POST", "/update_weight_version", {"new_version": str(version)}, error=WeightSyncError)
+
+
+@dataclass
+class SyncTimings:
+    """Seconds spent in each phase of one sync (``perf/weight_sync_*``)."""
+
+    pause_s: float
+    transfer_s: float
+    resume_s: float
+
+    @property
+    def total_s(self) -> float:
+        """Whole sync."""
+        return self.pause_s + self.transfer_s + self.resume_s
+
+
+class WeightSynchronizer:
+    """Runs one sync: pause, transfer, finish with the version, reset prefix cache, resume.
+
+    Args:
+        client: The server's admin client.
+        sender: The backend.
+        manifest: Names and shapes of the served checkpoint (see :func:`checkpoint_manifest`);
+            checked before anything reaches the server.
+    """
+
+    def __init__(self, client: VLLMAdminClient, sender: WeightSender, manifest: dict[str, tuple[int, ...]] | None = None) -> None:
+        self.client = client
+        self.sender = sender
+        self.manifest = manifest or {}
+        self._initialised = False
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
+        """Push ``weights`` as policy ``version``; always resumes generation, raises on failure."""
+        weights = list(weights)
+        check_against_manifest(weights, self.manifest)
+        if not self._initialised:
+            self.sender.init()
+            self._initialised = True
+        t0 = time.perf_counter()
+        self.client.pause("keep")
+        t1 = time.perf_counter()
+        try:
+            self.sender.transfer(weights, version)
+            self.client.reset_prefix_cache()
+        finally:
+            t2 = time.perf_counter()
+            self.client.resume()
+        return SyncTimings(pause_s=t1 - t0, transfer_s=t2 - t1, resume_s=time.perf_counter() - t2)

@@ -1,0 +1,249 @@
+"""Tree attention: one attention call per layer over a packed row, as a transformers attention backend.
+
+The mask of a packed row (``trainer.training.packing``) is one interval test on its depth-first layout:
+key ``k`` is visible to query ``q`` iff ``dfs_enter[k] <= dfs_enter[q] < dfs_leave[k]`` (``k`` is
+``q`` or one of its ancestors in the trie). It runs two ways, with the same mask function:
+
+* CUDA: FlexAttention (compiled) with a :class:`BlockMask` built straight from the intervals in
+  O(tokens + blocks²) memory; no tokens x tokens tensor exists anywhere.
+* CPU: dense ``scaled_dot_product_attention`` with a boolean mask (FlexAttention refuses backward
+  on CPU; rows there are small).
+
+:func:`enable_tree_attention` registers the backend under :data:`TREE_ATTENTION` and switches a
+model to it, so stock classes (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ...) run unchanged:
+the mask goes in as the model's 4D ``attention_mask``, which transformers passes through to the
+attention function as is. :func:`packed_hidden_states` runs the model on a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+
+from trainer.training.packing import PackedRow
+
+__all__ = [
+    "TREE_ATTENTION",
+    "UnsupportedModelError",
+    "check_tree_attention_support",
+    "dense_tree_mask",
+    "enable_tree_attention",
+    "flex_tree_mask",
+    "packed_hidden_states",
+    "tree_attention_forward",
+    "tree_mask",
+    "unwrap_model",
+]
+
+TREE_ATTENTION = "toolgym_tree"
+"""Name of the tree-attention backend in ``transformers.AttentionInterface``."""
+
+FLEX_BLOCK_SIZE = 128
+"""Tile size of the FlexAttention block mask (FlexAttention's default)."""
+
+
+class UnsupportedModelError(TypeError):
+    """The model has layers that tree attention cannot run correctly (yet)."""
+
+
+def dense_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> torch.Tensor:
+    """The (1, 1, N, N) boolean mask: ``mask[q, k]`` iff ``enter[k] <= enter[q] < leave[k]``."""
+    q_enter = dfs_enter[:, None]  # (N, 1)
+    visible = (dfs_enter[None, :] <= q_enter) & (q_enter < dfs_leave[None, :])  # (N, N)
+    return visible[None, None]
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's compressed form of a (Qb, Kb) block matrix: counts (1,1,Qb) and indices (1,1,Qb,Kb)."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    # Compiled FlexAttention reads these as contiguous: a transposed input would silently give wrong blocks.
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+
+def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMask:
+    """A FlexAttention :class:`BlockMask` for a depth-first row, built from its intervals.
+
+    The layout is pre-order, so ``dfs_enter`` is ``arange(N)`` and the queries that see key ``k``
+    are exactly the range ``[k, leave[k])``: the query tiles it touches are contiguous, which gives
+    every tile's "partial" and "full" status from a difference array over tiles (no N x N tensor).
+    """
+    n, bs, device = dfs_enter.numel(), FLEX_BLOCK_SIZE, dfs_enter.device
+    if not torch.equal(dfs_enter, torch.arange(n, device=device)):
+        raise ValueError("flex_tree_mask needs a depth-first (pre-order) layout: dfs_enter == arange(N)")
+    nb = (n + bs - 1) // bs
+    padded = nb * bs
+    # Padding keys are visible to no query, so the mask function never reads out of range.
+    enter = torch.cat([dfs_enter, torch.full((padded - n,), padded, device=device, dtype=dfs_enter.dtype)])
+    leave = torch.cat([dfs_leave, torch.zeros(padded - n, device=device, dtype=dfs_leave.dtype)])
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (enter[kv_idx] <= enter[q_idx]) & (enter[q_idx] < leave[kv_idx])
+
+    keys = torch.arange(n, device=device)
+    first_tile = keys // bs  # (N,) query tile of the key's first visible query (itself)
+    last_tile = (dfs_leave - 1) // bs  # (N,) query tile of its last visible query
+    # any[qb, kb]: some key of tile kb is visible to some query of tile qb.
+    diff = torch.zeros(nb, nb + 1, dtype=torch.int32, device=device)  # (Kb, Qb + 1)
+    ones = torch.ones(n, dtype=torch.int32, device=device)
+    diff.index_put_((first_tile, first_tile), ones, accumulate=True)
+    diff.index_put_((first_tile, last_tile + 1), -ones, accumulate=True)
+    any_visible = diff.cumsum(-1)[:, :nb].T > 0  # (Qb, Kb)
+    # full[qb, kb]: every key of tile kb sees every query of tile qb. Tiles holding padding stay
+    # partial, so the mask function (which hides padding) runs on them.
+    tile_start = torch.arange(nb, device=device) * bs  # (nb,)
+    tile_end = torch.clamp(tile_start + bs, max=n)  # (nb,)
+    whole = tile_end - tile_start == bs  # (nb,)
+    min_leave = torch.full((nb,), padded, dtype=dfs_leave.dtype, device=device)  # (Kb,)
+    min_leave.scatter_reduce_(0, first_tile, dfs_leave, reduce="amin")
+    full = (tile_end[None, :] - 1 <= tile_start[:, None]) & (min_leave[None, :] >= tile_end[:, None])  # (Qb, Kb)
+    full &= whole[:, None] & whole[None, :]
+    partial = any_visible & ~full
+    partial_num, partial_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(n, n)
+    )
+
+
+def tree_mask(row: PackedRow) -> torch.Tensor | BlockMask:
+    """The attention mask of ``row`` on its device: a FlexAttention BlockMask on CUDA, a dense mask elsewhere."""
+    if row.dfs_enter.is_cuda:
+        return flex_tree_mask(row.dfs_enter, row.dfs_leave)
+    return dense_tree_mask(row.dfs_enter, row.dfs_leave)
+
+
+_compiled_flex: Callable[..., torch.Tensor] | None = None
+
+
+def _flex() -> Callable[..., torch.Tensor]:
+    """FlexAttention, compiled once on first use (eager inside an outer compile, or on CPU)."""
+    global _compiled_flex
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def tree_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | BlockMask | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as :data:`TREE_ATTENTION` (transformers' calling convention).
+
+    Args:
+        module: The calling attention module (unused beyond the convention).
+        query: (B, Hq, N, d).
+        key: (B, Hkv, N, d).
+        value: (B, Hkv, N, d).
+        attention_mask: A :class:`BlockMask` (FlexAttention), a (B, 1, N, N) boolean mask (SDPA),
+            or ``None`` for plain causal attention (the model used outside packed rows).
+        scaling: Softmax scale (``None``: 1/sqrt(d)).
+        **kwargs: Other arguments of the convention (dropout, ...), ignored: dropout is refused
+            by :func:`enable_tree_attention`.
+
+    Returns:
+        The attention output (B, N, Hq, d) and ``None`` (no weights).
+    """
+    gqa = query.shape[1] != key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        flex = _flex() if query.is_cuda else flex_attention
+        out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    else:
+        if gqa:
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_tree_attention_support(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` when ``model`` has layers tree attention would run wrongly.
+
+    Refused: recurrent or linear-attention layers (Gated DeltaNet hybrids such as Qwen3-Next, Mamba
+    hybrids: they must scan along each segment's own path), sliding-window layers, attention sinks,
+    attention logit soft-capping and attention dropout.
+    """
+    config = model.config.get_text_config()
+    name = type(model).__name__
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - {"full_attention"}:
+        raise UnsupportedModelError(
+            f"{name} has layers of type {sorted(layer_types - {'full_attention'})}; tree packing supports only "
+            "full-attention layers (recurrent / linear-attention hybrids such as Gated DeltaNet are not supported "
+            "yet). Train it with share_prefixes=False and a stock attention implementation."
+        )
+    if not layer_types and getattr(config, "sliding_window", None):
+        raise UnsupportedModelError(f"{name} uses sliding-window attention, which tree attention does not implement")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError(f"{name} soft-caps attention logits, which tree attention does not implement")
+    if getattr(config, "attention_dropout", 0.0):
+        raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement")
+    for module_name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise UnsupportedModelError(
+                f"{name} has attention sinks ({module_name}.sinks), which tree attention does not implement"
+            )
+
+
+def enable_tree_attention(model: nn.Module) -> nn.Module:
+    """Register the tree-attention backend and switch ``model`` to it (in place; returns ``model``).
+
+    transformers builds no mask of its own for the backend (it has no mask function registered):
+    the row's mask is passed as the 4D ``attention_mask``, which transformers forwards untouched.
+    With no mask the backend is plain causal attention, so the model still works on ordinary input.
+
+    Raises:
+        UnsupportedModelError: See :func:`check_tree_attention_support`.
+    """
+    check_tree_attention_support(model)
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    model.set_attn_implementation(TREE_ATTENTION)
+    return model
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP/FSDP-style wrappers (those that keep it as ``.module``)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
+    """Run ``model`` on a packed row and return the decoder's final hidden states (N, D).
+
+    The call goes through ``model(...)`` itself, so wrappers (DDP, PEFT) see a normal forward
+    (DDP only synchronises gradients of forwards it ran); ``logits_to_keep`` is empty, so the LM
+    head computes nothing there, and a hook on the decoder collects its output.
+
+    ``row`` must be on the model's device and the model switched by :func:`enable_tree_attention`.
+    """
+    core = unwrap_model(model)
+    if core.config._attn_implementation != TREE_ATTENTION:
+        raise ValueError(f"{type(core).__name__} does not use tree attention: call enable_tree_attention(model) first")
+    captured: list[torch.Tensor] = []
+    hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+    try:
+        model(
+            input_ids=row.input_ids[None],
+            position_ids=row.position_ids[None],
+            attention_mask=tree_mask(row),
+            use_cache=False,
+            logits_to_keep=row.pred_index[:0],
+        )
+    finally:
+        hook.remove()
+    return captured[0][0]
