@@ -63,18 +63,22 @@ class CalculatorEnv(Environment):
         self.expected: fractions.Fraction | None = None
         self.submitted: str | None = None
 
-    def reset(self, question: str | None = None, answer: str | float | None = None, **kwargs: object) -> str | None:
+    def reset(self, question: str | None = None, answer: str | float | None = None, seed: int | None = None,
+              **kwargs: object) -> str | None:
         """Start a problem.
 
         Args:
             question: The problem text; ``None`` when the dataset's prompt column carries it.
             answer: The expected answer (a number or its text). When neither is given, a random
                 problem is made up and returned as the prompt.
+            seed: Reseeds the made-up problems first: the same seed gives the same problem.
             **kwargs: Other dataset columns, ignored.
 
         Returns:
             The prompt, or ``None`` when the row has an answer but no question.
         """
+        if seed is not None:
+            self._rng.seed(seed)
         self.submitted = None
         if answer is None:
             a, b, c = (self._rng.randint(2, 99) for _ in range(3))

@@ -18,13 +18,16 @@ class IncrementEnv:
         self.counter = 0
         self.target = 0
 
-    def reset(self, target: int | None = None, **kwargs: object) -> str:
+    def reset(self, target: int | None = None, seed: int | None = None, **kwargs: object) -> str:
         """Start an episode; returns the user prompt.
 
         Args:
             target: The value to reach; sampled in ``[1, max_target]`` when not given.
+            seed: Reseeds the sampling first: the same seed gives the same episode.
             **kwargs: Other dataset columns, ignored.
         """
+        if seed is not None:
+            self._rng.seed(seed)
         self.counter = 0
         self.target = int(target) if target is not None else self._rng.randint(1, self.max_target)
         return f"Increment the counter to {self.target}."

@@ -55,18 +55,22 @@ class PythonExecEnv(Environment):
         self.tests: list[str] = []
         self.solution: str | None = None
 
-    def reset(self, tests: list[str] | str | None = None, task: str | None = None, **kwargs: object) -> str | None:
+    def reset(self, tests: list[str] | str | None = None, task: str | None = None, seed: int | None = None,
+              **kwargs: object) -> str | None:
         """Start a task.
 
         Args:
             tests: The row's tests: ``assert`` statements, as a list or one per line.
             task: The task text, when the row has it and no prompt column.
+            seed: Reseeds the choice of built-in task first: the same seed gives the same task.
             **kwargs: Other dataset columns, ignored.
 
         Returns:
             The prompt (a built-in task when no tests are given), or ``None`` when the dataset's
             prompt column carries the task.
         """
+        if seed is not None:
+            self._rng.seed(seed)
         self.solution = None
         if tests is None:
             task, built_in = self._rng.choice(TASKS)

@@ -45,13 +45,16 @@ class WordGuessEnv(Environment):
         self.guesses: list[str] = []
         self.solved = False
 
-    def reset(self, word: str | None = None, **kwargs: object) -> str:
+    def reset(self, word: str | None = None, seed: int | None = None, **kwargs: object) -> str:
         """Start a game; returns the rules as the prompt.
 
         Args:
             word: The hidden word (five letters); sampled from ``WORDS`` when not given.
+            seed: Reseeds the sampling first: the same seed gives the same word.
             **kwargs: Other dataset columns, ignored.
         """
+        if seed is not None:
+            self._rng.seed(seed)
         secret = (word or self._rng.choice(WORDS)).strip().lower()
         if len(secret) != WORD_LENGTH or not secret.isalpha():
             raise ValueError(f"the hidden word must be {WORD_LENGTH} letters, got {secret!r}")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import re
@@ -57,20 +58,32 @@ class ToolEnv(gymnasium.Env[str, str]):
         self._runner = asyncio.Runner()
         self._tools = {tool.name: tool for tool in environment_tools(self.env)}
         self._steps = 0
+        self._takes_seed = _accepts_keyword(self.env.reset, "seed")  # type: ignore[attr-defined]
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode: ``env.reset(**reset_kwargs, **options, seed=seed)``.
 
+        The environment reseeds its own random choices from ``seed`` (the bundled ones do), so the
+        same seed gives the same episode, as Gymnasium's ``check_env`` requires.
+
         Returns:
-            The prompt (``""`` when the environment returns ``None``) and ``{"tools": schemas}``.
+            The prompt (``""`` when the environment returns ``None``) and ``{"tools": schemas}``
+            (a fresh copy on every call).
+
+        Raises:
+            TypeError: a seed was given and the environment's ``reset`` cannot take one.
         """
         super().reset(seed=seed)
         kwargs = {**self.reset_kwargs, **(options or {})}
         if seed is not None:
+            if not self._takes_seed:
+                raise TypeError(f"{type(self.env).__name__}.reset takes no 'seed' argument, so reset(seed=...) "
+                                "cannot be deterministic: add 'seed: int | None = None' to it and reseed the "
+                                "environment's random choices from it")
             kwargs["seed"] = seed
         self._steps = 0
         prompt = self._await(self.env.reset(**kwargs))  # type: ignore[attr-defined]
-        return prompt or "", {"tools": [tool.schema for tool in self._tools.values()]}
+        return prompt or "", {"tools": [copy.deepcopy(tool.schema) for tool in self._tools.values()]}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Run one tool call, or end the episode on a final answer.
@@ -115,6 +128,15 @@ class ToolEnv(gymnasium.Env[str, str]):
 
     def _await(self, value: Any) -> Any:
         return self._runner.run(value) if inspect.isawaitable(value) else value
+
+
+def _accepts_keyword(func: Callable[..., Any], name: str) -> bool:
+    """Whether ``func`` takes the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return True
+    return any((p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _parse_call(action: str) -> tuple[str, dict[str, Any]] | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import gymnasium
 import pytest
+from gymnasium.utils.env_checker import check_env as gym_check_env
 
 from environments.gridworld import GridWorldEnv
 from sdk import GymnasiumEnvironment, RemoteEnvironment, ToolEnv, register_environment
@@ -56,10 +58,53 @@ def test_unknown_tool_is_an_error_observation():
     assert info["error"] and "unknown tool 'jump'" in observation
 
 
-def test_gymnasium_env_checker_accepts_the_bridge():
-    from gymnasium.utils.env_checker import check_env as gym_check_env
+@pytest.mark.parametrize("env_id", BUNDLED_IDS)
+def test_gymnasium_env_checker_passes_every_bundled_environment(env_id):
+    # Through gymnasium.make: check_env compares seeded resets only when the env has a spec.
+    env = gymnasium.make(env_id).unwrapped
+    assert env.spec is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checker warning fails the test too
+        gym_check_env(env)
+    env.close()
 
-    gym_check_env(ToolEnv("counter"), skip_render_check=True)
+
+# One tool call whose result depends on the episode's hidden state (the word, the target...).
+PROBES = {
+    "toolgym/IncrementEnv-v0": call("increment", step=1),
+    "toolgym/WordGuessEnv-v0": call("guess", word="crane"),
+    "toolgym/CalculatorEnv-v0": call("submit_answer", answer="1"),
+    "toolgym/PythonExecEnv-v0": call("run_code", code="pass"),
+    "toolgym/GridWorldEnv-v0": call("step", action="down"),
+}
+
+
+@pytest.mark.parametrize("env_id", BUNDLED_IDS)
+def test_same_seed_same_episode_and_other_seeds_differ(env_id):
+    env = gymnasium.make(env_id)
+
+    def episode(seed: int) -> tuple[str, str, float]:
+        prompt, _ = env.reset(seed=seed)
+        observation = env.step(PROBES[env_id])[0]
+        return prompt, observation, env.step("done")[1]
+
+    runs = {seed: episode(seed) for seed in range(8)}
+    assert episode(3) == runs[3] and episode(0) == runs[0]
+    if env_id != "toolgym/GridWorldEnv-v0":  # FrozenLake's fixed 4x4 map has one start state
+        assert len(set(runs.values())) > 1, "every seed gave the same episode: the seed is ignored"
+    env.close()
+
+
+class NoSeed:
+    def reset(self, target: int = 1) -> str:
+        return "hi"
+
+
+def test_an_environment_whose_reset_takes_no_seed_is_refused_clearly():
+    env = ToolEnv(NoSeed)
+    assert env.reset()[0] == "hi"
+    with pytest.raises(TypeError, match="NoSeed.reset takes no 'seed' argument"):
+        env.reset(seed=1)
 
 
 def test_remote_environment_through_gymnasium(server):
