@@ -15,12 +15,22 @@ their payload is read, invalid UTF-8 closed with 1007, protocol errors with 1002
 (permessage-deflate: small JSON frames gain nothing from it) are never negotiated; a subprotocol
 only when the app accepts one. ASGI extras: ``websocket.http.response`` (an HTTP response instead
 of the handshake, as auth uses) and ``websocket.close`` before ``accept`` (HTTP 403).
+
+Limits on what a peer can make the server hold (``ServerConfig``, read through ``limits_of``):
+reading from the socket pauses while the messages queued for the app hold ``max_buffered_bytes``
+(or 64 messages), while the transport's write buffer is full (a peer that sends pings and never
+reads the pongs), and before the handshake completes; so a connection holds at most about
+``max_buffered_bytes`` plus two frames of ``ws_max_size``. A fragmented message must be complete
+within ``fragment_timeout`` seconds (else 1008) and its text is checked for UTF-8 fragment by
+fragment (1007 at the first bad fragment). While reading is paused because the app is behind,
+the keep-alive deadline and the fragment deadline wait: the peer is not the one late.
 """
 
 from __future__ import annotations
 
 import asyncio
 import binascii
+import codecs
 import collections
 import hashlib
 import logging
@@ -29,9 +39,10 @@ from typing import Any, Literal
 from urllib.parse import unquote
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import ClientDisconnected, get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
+
+from envserver.config import ServerConfig
 
 try:
     from websockets.speedups import apply_mask as _apply_mask  # C; ~0.5 us for a small frame
@@ -50,7 +61,8 @@ _VALID_CLOSE = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 
 _CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
 _MAX_QUEUED = 64  # messages buffered for the app before reading from the socket pauses
 _HTTP_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 426: b"Upgrade Required",
-                 500: b"Internal Server Error"}
+                 431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
+_DEFAULT_LIMITS = ServerConfig()
 
 _State = Literal["handshake", "connecting", "responding", "open", "closed"]
 
@@ -70,7 +82,13 @@ def _close_frame(code: int, reason: str = "") -> bytes:
     return _frame(0x80 | _CLOSE, code.to_bytes(2, "big") + text)
 
 
-def _http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+def limits_of(config: Config) -> ServerConfig:
+    """The env server settings a uvicorn config carries (``EnvServer`` sets ``env_config``), else the defaults."""
+    return getattr(config, "env_config", None) or _DEFAULT_LIMITS
+
+
+def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """An HTTP/1.1 response that closes the connection (plain text unless ``headers`` say otherwise)."""
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _HTTP_REASONS.get(status, b""))]
     lines += [name + b": " + value + b"\r\n" for name, value in headers]
     names = {name.lower() for name, _ in headers}
@@ -99,6 +117,9 @@ class WebSocketProtocol(asyncio.Protocol):
         self.server_state = server_state
         self.app_state = app_state
         self.max_size: int = config.ws_max_size
+        limits = limits_of(config)
+        self._max_buffered = limits.max_buffered_bytes
+        self._fragment_timeout = limits.fragment_timeout
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.scope: dict[str, Any] = {}
         self._addresses: tuple[tuple[str, int | None] | None, tuple[str, int] | None, str] = (None, None, "ws")
@@ -106,10 +127,13 @@ class WebSocketProtocol(asyncio.Protocol):
         self.close_sent = False
         self.disconnected = False
         self._buffer = bytearray()  # bytes received and not handled yet
-        self._fragments: list[bytes] | None = None  # the parts of a fragmented message so far
+        self._fragments: list[Any] | None = None  # the parts of a fragmented message so far (str if text)
         self._fragment_opcode = _TEXT
         self._fragment_size = 0
+        self._decoder: codecs.IncrementalDecoder | None = None  # checks a fragmented text's UTF-8 as it comes
         self._events: collections.deque[dict[str, Any]] = collections.deque()
+        self._sizes: collections.deque[int] = collections.deque()  # payload bytes of each queued event
+        self._queued_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._read_paused = False
         self._writable: asyncio.Event | None = None  # set while the transport's buffer is full
@@ -117,6 +141,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self._ping_payload: bytes | None = None
         self._ping_timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
+        self._fragment_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
 
@@ -148,15 +173,18 @@ class WebSocketProtocol(asyncio.Protocol):
         """Half-close from the peer: the transport closes itself."""
 
     def pause_writing(self) -> None:
-        """The transport's write buffer is above its high-water mark: ``send`` waits."""
+        """The transport's write buffer is above its high-water mark: ``send`` waits, reading pauses."""
         if self._writable is None:
             self._writable = asyncio.Event()
         self._writable.clear()
+        self._pause()  # no more pongs (or replies to pipelined requests) for a peer that does not read
 
     def resume_writing(self) -> None:
-        """The write buffer drained: ``send`` goes on."""
+        """The write buffer drained: ``send`` goes on, and reading unless something else holds it."""
         if self._writable is not None:
             self._writable.set()
+        if self._read_paused:
+            self._resume()
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the peer: the upgrade request first, then frames."""
@@ -177,8 +205,9 @@ class WebSocketProtocol(asyncio.Protocol):
             self._handshake(head)
         elif self.state == "open":
             self._keep(buffer, self._parse(buffer))
-        else:
-            self._keep(buffer, 0)  # frames sent before the handshake finished wait for it
+        else:  # frames sent before the handshake finished wait for it, and nothing more is read
+            self._keep(buffer, 0)
+            self._pause()
 
     def _keep(self, buffer: bytes | bytearray, used: int) -> None:
         """Keep what is left of ``buffer`` past ``used`` bytes for the next ``data_received``."""
@@ -234,7 +263,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self._accept_key = binascii.b2a_base64(hashlib.sha1(key + _GUID).digest(), newline=False)
         self.scope = self._make_scope(parts[1], headers, fields)
         self.state = "connecting"
-        self._events.append({"type": "websocket.connect"})
+        self._put({"type": "websocket.connect"})
         task = self.loop.create_task(self._run_asgi())
         self.server_state.tasks.add(task)
         task.add_done_callback(self.server_state.tasks.discard)
@@ -277,14 +306,13 @@ class WebSocketProtocol(asyncio.Protocol):
         interval = self.config.ws_ping_interval
         if interval:
             self._ping_timer = self.loop.call_later(interval, self._ping)
-        if self._buffer:
-            self._keep(self._buffer, self._parse(self._buffer))
+        self._resume()
 
     def _reject(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """An HTTP response instead of the handshake, then close (nothing to tell the app)."""
         self.state = "closed"
         self.close_sent = True
-        self.transport.write(_http_response(status, [*self.server_state.default_headers, *(headers or ())], body))
+        self.transport.write(http_response(status, [*self.server_state.default_headers, *(headers or ())], body))
         self.transport.close()
 
     # Frames from the peer
@@ -292,7 +320,7 @@ class WebSocketProtocol(asyncio.Protocol):
     def _parse(self, buffer: bytes | bytearray) -> int:
         """Handle every complete frame in ``buffer``; returns how many bytes they took."""
         pos, size = 0, len(buffer)
-        while size - pos >= 2 and not self.disconnected:
+        while size - pos >= 2 and not self.disconnected and not self._read_paused:
             first, second = buffer[pos], buffer[pos + 1]
             length, start = second & 0x7F, pos + 2
             if length == 126:
@@ -310,6 +338,8 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._fail(1002, "reserved bits set, and no extension was negotiated")
             elif opcode >= _CLOSE and (length > 125 or not first & 0x80):
                 self._fail(1002, "control frames must be final and at most 125 bytes")
+            elif length >> 63:
+                self._fail(1002, "a 64-bit payload length must have its most significant bit clear")
             elif length + self._fragment_size > self.max_size:
                 self._fail(1009, f"message larger than {self.max_size} bytes")
             if self.disconnected or size < start + 4 + length:
@@ -326,17 +356,15 @@ class WebSocketProtocol(asyncio.Protocol):
             elif fin:
                 self._message(opcode, payload)
             else:
-                self._fragments, self._fragment_opcode, self._fragment_size = [payload], opcode, len(payload)
+                self._fragment_opcode, self._fragment_size, self._fragments = opcode, 0, []
+                self._decoder = _utf8_decoder() if opcode == _TEXT else None
+                self._fragment_timer = self.loop.call_later(self._fragment_timeout, self._fragment_timed_out)
+                self._fragment(payload, False)
         elif opcode == _CONT:
             if self._fragments is None:
                 self._fail(1002, "continuation frame without a message to continue")
-                return
-            self._fragments.append(payload)
-            self._fragment_size += len(payload)
-            if fin:
-                data = b"".join(self._fragments)
-                self._fragments, self._fragment_size = None, 0
-                self._message(self._fragment_opcode, data)
+            else:
+                self._fragment(payload, fin)
         elif opcode == _CLOSE:
             self._close_received(payload)
         elif opcode == _PING:
@@ -350,21 +378,87 @@ class WebSocketProtocol(asyncio.Protocol):
         else:
             self._fail(1002, f"unknown opcode {opcode}")
 
+    def _fragment(self, payload: bytes, fin: int) -> None:
+        """One part of a fragmented message; a text part's UTF-8 is checked now, not at the end."""
+        self._fragment_size += len(payload)
+        parts = self._fragments
+        if self._decoder is not None:
+            try:
+                parts.append(self._decoder.decode(payload, bool(fin)))  # type: ignore[union-attr]
+            except UnicodeDecodeError:
+                self._fail(1007, "text message is not valid UTF-8")
+                return
+        else:
+            parts.append(payload)  # type: ignore[union-attr]
+        if not fin:
+            return
+        self._fragments, self._decoder = None, None
+        if self._fragment_timer is not None:
+            self._fragment_timer.cancel()
+            self._fragment_timer = None
+        if self._fragment_opcode == _TEXT:
+            self._deliver({"type": "websocket.receive", "text": "".join(parts)}, self._fragment_size)  # type: ignore[arg-type]
+        else:
+            self._deliver({"type": "websocket.receive", "bytes": b"".join(parts)}, self._fragment_size)  # type: ignore[arg-type]
+
+    def _fragment_timed_out(self) -> None:
+        if self._app_behind():  # the rest may be in the unread socket: the peer is not late
+            self._fragment_timer = self.loop.call_later(self._fragment_timeout, self._fragment_timed_out)
+            return
+        self._fragment_timer = None
+        self._fail(1008, f"fragmented message not completed within {self._fragment_timeout:g} s")
+
     def _message(self, opcode: int, payload: bytes) -> None:
         if self.close_sent:
             return  # the app is past websocket.close: only the peer's close matters now
         if opcode == _TEXT:
             try:
-                event: dict[str, Any] = {"type": "websocket.receive", "text": payload.decode()}
+                text = payload.decode()
             except UnicodeDecodeError:
                 self._fail(1007, "text message is not valid UTF-8")
                 return
+            self._deliver({"type": "websocket.receive", "text": text}, len(payload))
         else:
-            event = {"type": "websocket.receive", "bytes": payload}
-        self._put(event)
-        if len(self._events) >= _MAX_QUEUED and not self._read_paused:
+            self._deliver({"type": "websocket.receive", "bytes": payload}, len(payload))
+
+    def _deliver(self, event: dict[str, Any], size: int) -> None:
+        """Queue a message for the app; reading pauses once the queue holds enough (by bytes or count)."""
+        if self.close_sent:
+            return
+        self._put(event, size)
+        if self._queued_bytes >= self._max_buffered or len(self._events) >= _MAX_QUEUED:
+            self._pause()
+
+    # Flow control: reading pauses while the handshake is pending, the write buffer is full or the
+    # app is behind, and resumes (handling what was left unparsed) once none of these holds.
+
+    def _pause(self) -> None:
+        if not self._read_paused and not self.transport.is_closing():
             self._read_paused = True
             self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self._read_paused:
+            if (self.state != "open" or self._write_full() or self._queued_bytes > self._max_buffered // 2
+                    or len(self._events) > _MAX_QUEUED // 2):
+                return
+        self._unpause()
+
+    def _unpause(self) -> None:
+        """Read again, and handle the frames left unparsed when reading paused."""
+        if self._read_paused:
+            self._read_paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+        if self._buffer and self.state == "open" and not self.disconnected:
+            self._keep(self._buffer, self._parse(self._buffer))
+
+    def _write_full(self) -> bool:
+        return self._writable is not None and not self._writable.is_set()
+
+    def _app_behind(self) -> bool:
+        """Reading is paused for the app only (the peer may well have answered in the unread bytes)."""
+        return self._read_paused and self.state == "open" and not self._write_full()
 
     def _close_received(self, payload: bytes) -> None:
         if self.close_sent:  # the peer answered our close: the closing handshake is complete
@@ -401,6 +495,9 @@ class WebSocketProtocol(asyncio.Protocol):
             return
         self.disconnected = True
         self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
+        if self._read_paused:  # read (and discard) again: the peer's close or EOF ends it sooner
+            self._read_paused = False
+            self.transport.resume_reading()
         if not self.close_sent:
             self.close_sent = True
             self.transport.write(_close_frame(code, reason))
@@ -415,19 +512,31 @@ class WebSocketProtocol(asyncio.Protocol):
         self._ping_timer = None
         if self.close_sent or self.disconnected:
             return
+        interval: float = self.config.ws_ping_interval  # type: ignore[assignment]
+        if self._app_behind():  # its pong could not be read: ask once the app has caught up
+            self._ping_timer = self.loop.call_later(interval, self._ping)
+            return
         self._ping_payload = random.getrandbits(32).to_bytes(4, "big")
         self.transport.write(_frame(0x80 | _PING, self._ping_payload))
         timeout = self.config.ws_ping_timeout
         if timeout:
-            self._ping_timer = self.loop.call_later(timeout, self._fail, 1011, "keepalive ping timeout")
+            self._ping_timer = self.loop.call_later(timeout, self._ping_timed_out)
         else:
+            self._ping_timer = self.loop.call_later(interval, self._ping)
+
+    def _ping_timed_out(self) -> None:
+        if self._app_behind():  # the pong may be in the unread bytes: not the peer's fault
+            self._ping_payload = None
             self._ping_timer = self.loop.call_later(self.config.ws_ping_interval, self._ping)  # type: ignore[arg-type]
+            return
+        self._ping_timer = None
+        self._fail(1011, "keepalive ping timeout")
 
     def _cancel_timers(self) -> None:
-        for timer in (self._ping_timer, self._close_timer):
+        for timer in (self._ping_timer, self._close_timer, self._fragment_timer):
             if timer is not None:
                 timer.cancel()
-        self._ping_timer = self._close_timer = None
+        self._ping_timer = self._close_timer = self._fragment_timer = None
         self._ping_payload = None  # a late pong has no deadline left to cancel
 
     # ASGI
@@ -453,8 +562,10 @@ class WebSocketProtocol(asyncio.Protocol):
         if self.state == "connecting" or self.state == "responding":
             self._reject(500, b"Internal Server Error")
 
-    def _put(self, event: dict[str, Any]) -> None:
+    def _put(self, event: dict[str, Any], size: int = 0) -> None:
         self._events.append(event)
+        self._sizes.append(size)
+        self._queued_bytes += size
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -466,9 +577,9 @@ class WebSocketProtocol(asyncio.Protocol):
             self._waiter = self.loop.create_future()
             await self._waiter
         event = events.popleft()
-        if self._read_paused and len(events) < _MAX_QUEUED // 2:
-            self._read_paused = False
-            self.transport.resume_reading()
+        self._queued_bytes -= self._sizes.popleft()
+        if self._read_paused:
+            self._resume()
         return event
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -525,31 +636,9 @@ class WebSocketProtocol(asyncio.Protocol):
         self.close_sent = True
         self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
         self.transport.write(_close_frame(code, reason))
-        if self._read_paused:
-            self._read_paused = False
-            self.transport.resume_reading()
+        self._unpause()  # the peer's close frame may be behind what the app never read
         self._close_timer = self.loop.call_later(_CLOSE_TIMEOUT, self.transport.close)
 
 
-class UpgradeFastPath(HttpToolsProtocol):
-    """uvicorn's httptools HTTP protocol, handing WebSocket upgrades straight to ``WebSocketProtocol``.
-
-    uvicorn parses an upgrade request with httptools (a Python callback per header), rebuilds its
-    bytes and hands them over to be parsed again. When a connection's first bytes are a complete
-    ``GET`` with ``Upgrade: websocket``, this hands over the bytes as they came: the WebSocket
-    protocol parses and checks the request once (``400``/``426`` when it is not a valid
-    handshake). Anything else, plain HTTP included, takes uvicorn's own path.
-    """
-
-    def data_received(self, data: bytes) -> None:
-        """Hand a whole upgrade request over at once; anything else to uvicorn's parser."""
-        if (self.cycle is None and data.startswith(b"GET ") and data.endswith(b"\r\n\r\n")
-                and self.ws_protocol_class is WebSocketProtocol and b"websocket" in data.lower()):
-            self.connections.discard(self)
-            self._unset_keepalive_if_required()
-            protocol = WebSocketProtocol(self.config, self.server_state, self.app_state, self.loop)
-            protocol.connection_made(self.transport)
-            protocol.data_received(data)
-            self.transport.set_protocol(protocol)
-            return
-        super().data_received(data)
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")()

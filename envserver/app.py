@@ -35,13 +35,15 @@ from sdk import protocol
 def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     """Build the server's ASGI app for ``specs`` (name -> ``EnvSpec``) under ``config``.
 
-    The session table is ``app.state.table``; its thread pool and reaper live as long as the app's
+    The session table is ``app.state.table``; its thread pools and reaper live as long as the app's
     lifespan.
     """
     metrics = ServerMetrics()
     policy = InlinePolicy(config.inline_threshold) if config.inline_threshold > 0 else None
-    pool = None if config.inline_sync else SyncPool(config.threads, policy=policy)
-    table = SessionTable(config, specs, metrics, pool)
+    # One pool per environment class: one class's slow tools cannot take another's threads.
+    pools = None if config.inline_sync else {
+        name: SyncPool(config.threads, name=f"toolgym-{name}", policy=policy) for name in specs}
+    table = SessionTable(config, specs, metrics, pools)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +53,7 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
         finally:
             reaper.cancel()
             await table.evict_all()
-            if pool is not None:
+            for pool in (pools or {}).values():
                 pool.shutdown()
 
     app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -30,7 +30,9 @@ class ServerConfig:
             it the request fails with ``call_timeout`` and the session stays open.
         max_frame_bytes: Largest frame answered normally; larger ones get ``frame_too_large``. Frames
             over ``4 * max_frame_bytes`` close the connection (code 1009) before being read.
-        threads: Size of the thread pool that runs sync environment methods (and constructors).
+        threads: Size of each environment class's thread pool, which runs that class's sync
+            methods and constructors (one pool per class: one class's slow tools never hold up
+            another class's sessions).
         inline_sync: Run sync environment methods on the event loop instead of the thread pool.
             Saves a thread hand-off per request (less CPU per call for trivial environments)
             but a slow or blocking sync method then stalls every session and the call deadline
@@ -43,6 +45,16 @@ class ServerConfig:
             by ``call_timeout``. Off by default: on the shared 2-core VM, inlined calls (like
             ``inline_sync``) saw stalls of hundreds of ms under heavy load (``bench/envserver``).
         drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.
+        max_head_bytes: Largest HTTP request head (request line and headers) a peer may send;
+            a larger one is answered ``431`` and the connection closed.
+        head_timeout: Seconds a connection may take to send a complete request head (from when
+            it opens, or from the previous response); then it is closed (slowloris).
+        max_buffered_bytes: Bytes of received messages a connection may hold queued for its
+            session (requests pipelined behind a running one) before the server stops reading
+            from its socket. With one frame being read and one being handled, a connection holds
+            at most about this plus ``2 * hard_frame_limit`` bytes.
+        fragment_timeout: Seconds a fragmented WebSocket message may take from its first frame
+            to its last; then the connection is closed (code 1008).
     """
 
     host: str = "127.0.0.1"
@@ -59,14 +71,19 @@ class ServerConfig:
     inline_sync: bool = False
     inline_threshold: float = 0.0
     drain_timeout: float = 10.0
+    max_head_bytes: int = 16 << 10
+    head_timeout: float = 5.0
+    max_buffered_bytes: int = 256 << 10
+    fragment_timeout: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "threads", "max_frame_bytes"):
+        for name in ("max_sessions", "threads", "max_frame_bytes", "max_head_bytes", "max_buffered_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}; raise it")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}; 0 disables queueing")
-        for name in ("queue_timeout", "idle_timeout", "resume_grace", "call_timeout", "drain_timeout"):
+        for name in ("queue_timeout", "idle_timeout", "resume_grace", "call_timeout", "drain_timeout",
+                     "head_timeout", "fragment_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.inline_threshold < 0:

@@ -1,14 +1,22 @@
 """One WebSocket connection: open or resume a session, then answer its requests in order.
 
 Every failure becomes a typed error frame (``sdk.protocol.ErrorCode``); only a frame above the hard
-size limit or a dead socket ends the connection without one. Requests of a session run one at a
-time, so an environment instance is never used by two threads at once.
+size limit or a dead socket ends the connection without one. That includes input the JSON layer
+chokes on (nesting deeper than the parser's recursion limit) and replies that cannot be encoded: a
+tool result whose ``str()`` raises, text with a lone surrogate (error messages carry it escaped,
+results are refused), a non-finite reward. Requests of a session run one at a time, so an
+environment instance is never used by two threads at once.
+
+Every request id gets exactly one reply of its own: a request resent after a resume (same id) is
+never run twice and gets the original reply, or a typed error when that reply is gone (a later
+request already ran), never the reply to another id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -67,7 +75,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        await self._send(protocol.dumps({"op": Op.BYE, "error": protocol.error_payload(code, message)}))
+        await self._send(protocol.dumps({"op": Op.BYE, "error": protocol.error_payload(code, _wire_text(message))}))
         await self._close_socket()
 
     async def _close_socket(self) -> None:
@@ -149,6 +157,8 @@ class Connection:
             frame = protocol.loads(text)
         except ValueError as exc:
             return self._frame_error(None, ErrorCode.BAD_FRAME, f"not JSON: {exc}")
+        except RecursionError:
+            return self._frame_error(None, ErrorCode.BAD_FRAME, "JSON nested too deeply")
         if not isinstance(frame, dict):
             return self._frame_error(None, ErrorCode.BAD_FRAME, "a frame must be a JSON object")
         rid = frame.get("id")
@@ -165,9 +175,9 @@ class Connection:
 
     async def _replay(self, session: Session, rid: int) -> str:
         """A resent request (same id after a reconnect) gets the original reply; it never runs twice."""
-        if rid == session.last_id:
-            if session.inflight is not None:
-                await asyncio.shield(session.inflight)
+        while session.last_id == rid and session.inflight is not None:
+            await asyncio.shield(session.inflight)
+        if session.last_id == rid:  # finished, and nothing ran since: its reply is the last one
             return session.last_reply
         return self._frame_error(rid, ErrorCode.BAD_FRAME,
                                  f"request id {rid} is below the last one ({session.last_id}); ids must increase")
@@ -176,36 +186,44 @@ class Connection:
         loop = asyncio.get_running_loop()
         while session.inflight is not None:  # a request from a connection this one took over
             await asyncio.shield(session.inflight)
+        if rid <= session.last_id:  # that connection ran this id (or a later one) meanwhile
+            return await self._replay(session, rid)
         session.last_id = rid
         session.inflight = done = loop.create_future()
         tool = frame.get("tool", "") if op == Op.CALL else ""
         started = time.perf_counter()
+        reply: str | None = None
         try:
             reply = ok_reply(rid, await handler(self, session, frame))
             outcome = "ok"
         except _RequestError as exc:
-            reply, outcome = error_reply(rid, exc.code, str(exc)), exc.code.value
-        finally:
+            reply, outcome = _error_reply(rid, exc.code, str(exc)), exc.code.value
+        except Exception as exc:  # a bug of ours; the request still gets its one typed reply
+            logger.exception("%s request %d of a %s session failed", op, rid, session.spec.name)
+            reply = _error_reply(rid, ErrorCode.ENVIRONMENT_ERROR, f"internal server error: {_describe(exc)}")
+            outcome = ErrorCode.ENVIRONMENT_ERROR.value
+        finally:  # the reply is stored before anyone waiting to replay this id wakes up
+            session.last_reply = reply if reply is not None else _error_reply(
+                rid, ErrorCode.ENVIRONMENT_ERROR, "the request was interrupted (server shutting down)")
             session.last_active = loop.time()
             session.inflight = None
             done.set_result(None)
         if tool not in session.spec.tools:
             tool = "<unknown>" if tool else ""  # keep metric label cardinality bounded
         self.table.metrics.request(session.spec.name, op, tool, outcome, time.perf_counter() - started)
-        session.last_reply = reply
         return reply
 
     async def _invoke(self, session: Session, func: Callable[..., Any], is_async: bool,
                       kwargs: dict[str, Any], failure: ErrorCode, what: str) -> Any:
         table = self.table
         try:
-            return await session.invoke(func, is_async, kwargs, table.pool, table.config.call_timeout)
+            return await session.invoke(func, is_async, kwargs, table.config.call_timeout)
         except SessionBusy as exc:
             raise _RequestError(ErrorCode.SESSION_BUSY, str(exc)) from None
         except TimeoutError:
             raise _RequestError(ErrorCode.CALL_TIMEOUT,
                                 f"{what} did not finish within {table.config.call_timeout:g} s") from None
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # sys.exit() in a tool ends the call only
             raise _RequestError(failure, _describe(exc)) from None
 
     async def _reset(self, session: Session, frame: dict[str, Any]) -> str | None:
@@ -221,6 +239,9 @@ class Connection:
         if prompt is not None and not isinstance(prompt, str):
             raise _RequestError(ErrorCode.ENVIRONMENT_ERROR,
                                 f"reset returned {type(prompt).__name__}; expected str or None")
+        if prompt is not None and not _encodable(prompt):
+            raise _RequestError(ErrorCode.ENVIRONMENT_ERROR, "reset returned text that is not valid Unicode "
+                                "(a lone surrogate); it cannot be sent as UTF-8")
         return prompt
 
     async def _call(self, session: Session, frame: dict[str, Any]) -> str:
@@ -229,12 +250,23 @@ class Connection:
         if info is None:
             raise _RequestError(ErrorCode.UNKNOWN_TOOL,
                                 f"unknown tool {name!r}; available: {', '.join(session.spec.tools) or 'none'}")
-        problem = info.validate(arguments)
+        try:
+            problem = info.validate(arguments)
+        except RecursionError:
+            problem = "arguments nested too deeply"
         if problem:
             raise _RequestError(ErrorCode.INVALID_ARGUMENTS, f"{name}: {problem}")
         value = await self._invoke(session, getattr(session.env, name), info.is_async, arguments,
                                    ErrorCode.TOOL_ERROR, f"tool {name}")
-        return protocol.render_result(value)
+        try:
+            text = protocol.render_result(value)
+        except Exception as exc:
+            raise _RequestError(ErrorCode.TOOL_ERROR, f"tool {name} returned a {type(value).__name__} "
+                                f"whose str() raised {_describe(exc)}") from None
+        if not _encodable(text):
+            raise _RequestError(ErrorCode.TOOL_ERROR, f"tool {name} returned text that is not valid Unicode "
+                                "(a lone surrogate); it cannot be sent as UTF-8")
+        return text
 
     async def _reward(self, session: Session, frame: dict[str, Any]) -> float | None:
         spec = session.spec
@@ -245,7 +277,13 @@ class Connection:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _RequestError(ErrorCode.ENVIRONMENT_ERROR,
                                 f"get_reward returned {type(value).__name__}; expected float")
-        return float(value)
+        try:
+            reward = float(value)
+        except OverflowError:  # an int too large for a float
+            reward = math.inf
+        if not math.isfinite(reward):  # JSON has no NaN or Infinity
+            raise _RequestError(ErrorCode.ENVIRONMENT_ERROR, f"get_reward returned {reward}; expected a finite float")
+        return reward
 
     async def _ping(self, session: Session, frame: dict[str, Any]) -> str:
         return "pong"
@@ -255,7 +293,7 @@ class Connection:
 
     def _frame_error(self, rid: int | None, code: ErrorCode, message: str) -> str:
         self.table.metrics.frame_errors.labels(code.value).inc()
-        return error_reply(rid, code, message)
+        return _error_reply(rid, code, message)
 
     async def _send(self, text: str) -> None:
         try:
@@ -281,5 +319,29 @@ def _parse_query(query: str) -> dict[str, str]:
 
 def _describe(exc: BaseException) -> str:
     """``"ValueError: message"``, the text a model sees for a failed tool."""
-    text = str(exc)
+    try:
+        text = str(exc)
+    except Exception as inner:  # an exception whose __str__ raises
+        text = f"<str() of the exception raised {type(inner).__name__}>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate, which JSON text can carry)."""
+    if text.isascii():  # O(1) in CPython
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _wire_text(message: str) -> str:
+    """``message`` with any lone surrogate written as a ``\\udXXX`` escape, so that it encodes."""
+    return message if _encodable(message) else message.encode("utf-8", "backslashreplace").decode()
+
+
+def _error_reply(rid: int | None, code: ErrorCode, message: str) -> str:
+    """A failed reply whose message is safe to encode (it may echo what the peer sent)."""
+    return error_reply(rid, code, _wire_text(message))

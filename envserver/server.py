@@ -15,7 +15,8 @@ from types import TracebackType
 
 import uvicorn
 
-from envserver._websocket import UpgradeFastPath, WebSocketProtocol
+from envserver._http import UpgradeFastPath
+from envserver._websocket import WebSocketProtocol
 from envserver.app import create_app
 from envserver.config import ServerConfig
 from envserver.registry import EnvSpec
@@ -31,14 +32,16 @@ class EnvServer(uvicorn.Server):
         self.env_config = config
         app = create_app(specs, config)
         self.table: SessionTable = app.state.table
-        super().__init__(uvicorn.Config(
+        uvicorn_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             # Our own lean RFC 6455 protocol, and uvicorn's httptools protocol with a fast path to it.
             http=UpgradeFastPath, ws=WebSocketProtocol,
             ws_max_size=config.hard_frame_limit, ws_ping_interval=20.0, ws_ping_timeout=20.0,
             timeout_graceful_shutdown=5.0, backlog=4096, lifespan="on",
             proxy_headers=False,  # nothing reads the client address; saves a middleware per request
-        ))
+        )
+        uvicorn_config.env_config = config  # type: ignore[attr-defined]  # the wire limits (_websocket.limits_of)
+        super().__init__(uvicorn_config)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Drain sessions (unless forced), then let uvicorn close connections and exit."""

@@ -3,6 +3,10 @@
 A session is one environment instance plus the bookkeeping that lets a client drop its connection
 and resume: the id of the last request it sent and the reply to it (replayed, never re-run, when
 the client resends that request after reconnecting).
+
+Each environment class has its own thread pool (``SessionTable.pools``): the sync methods and
+constructors of one class share at most ``ServerConfig.threads`` threads, so slow tools of one
+environment (a sandbox running commands) never hold up another environment's sessions.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from envserver.config import ServerConfig
+from envserver.exceptions import EnvServerError
 from envserver.metrics import ServerMetrics
 from envserver.pool import Job, SyncPool
 from envserver.registry import EnvSpec
@@ -23,7 +28,7 @@ from sdk.protocol import ErrorCode
 logger = logging.getLogger("envserver.sessions")
 
 
-class Refused(Exception):
+class Refused(EnvServerError):
     """A new session cannot be opened; carries the protocol error to send back."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
@@ -31,7 +36,7 @@ class Refused(Exception):
         self.code = code
 
 
-class SessionBusy(Exception):
+class SessionBusy(EnvServerError):
     """A sync call that ran past its deadline is still running on this session's environment."""
 
 
@@ -46,27 +51,27 @@ class Peer(Protocol):
 class Session:
     """One environment instance and its resume bookkeeping."""
 
-    __slots__ = ("id", "spec", "env", "peer", "last_active", "detached_at", "last_id", "last_reply",
+    __slots__ = ("id", "spec", "env", "pool", "peer", "last_active", "detached_at", "last_id", "last_reply",
                  "inflight", "stray", "alive")
 
-    def __init__(self, spec: EnvSpec, env: object, now: float) -> None:
+    def __init__(self, spec: EnvSpec, env: object, now: float, pool: SyncPool | None = None) -> None:
         self.id = secrets.token_urlsafe(16)  # also the resume capability: unguessable
         self.spec = spec
         self.env = env
+        self.pool = pool  # the environment class's thread pool; None runs sync methods on the loop
         self.peer: Peer | None = None
         self.last_active = now
         self.detached_at = now
-        self.last_id = 0
+        self.last_id = 0  # the id of the last request run; ``last_reply`` is its reply once it finished
         self.last_reply = ""
         self.inflight: asyncio.Future[None] | None = None  # set while a request runs
         self.stray: Job | None = None  # a sync call that ran past its deadline
         self.alive = True
 
-    async def invoke(self, func: Callable[..., Any], is_async: bool, kwargs: dict[str, Any],
-                     pool: SyncPool | None, timeout: float) -> Any:
+    async def invoke(self, func: Callable[..., Any], is_async: bool, kwargs: dict[str, Any], timeout: float) -> Any:
         """Run one environment method under the deadline: async on the loop, sync in the pool.
 
-        With ``pool=None`` (``ServerConfig.inline_sync``), or when the pool's ``InlinePolicy`` has
+        With no pool (``ServerConfig.inline_sync``), or when the pool's ``InlinePolicy`` has
         found the method cheap, a sync method runs on the loop itself and the deadline cannot
         interrupt it.
 
@@ -81,6 +86,7 @@ class Session:
             self.stray = None
         if is_async:
             return await asyncio.wait_for(func(**kwargs), timeout)
+        pool = self.pool
         if pool is None:
             return func(**kwargs)
         policy = pool.policy
@@ -158,11 +164,11 @@ class SessionTable:
     """All sessions of one server, the capacity limit, the reaper and the drain."""
 
     def __init__(self, config: ServerConfig, specs: dict[str, EnvSpec], metrics: ServerMetrics,
-                 pool: SyncPool | None) -> None:
+                 pools: dict[str, SyncPool] | None) -> None:
         self.config = config
         self.specs = specs
         self.metrics = metrics
-        self.pool = pool
+        self.pools = pools  # environment name -> its thread pool; None with inline_sync
         self.draining = False
         self._sessions: dict[str, Session] = {}
         self.hello_parts: dict[str, tuple[str, str]] = {}  # environment -> pre-encoded hello fields (Connection)
@@ -196,21 +202,16 @@ class SessionTable:
             self.metrics.sessions_rejected.labels("server_full").inc()
             raise
         loop = asyncio.get_running_loop()
+        pool = None if self.pools is None else self.pools[spec.name]
         try:
-            env = await self.run_sync(spec.factory)
+            env = spec.factory() if pool is None else await pool.run(spec.factory)
         except BaseException:
             self._slots.release()
             raise
-        session = Session(spec, env, loop.time())
+        session = Session(spec, env, loop.time(), pool)
         self._sessions[session.id] = session
         self.metrics.session_opened(spec.name)
         return session
-
-    async def run_sync(self, func: Callable[[], Any]) -> Any:
-        """Run a sync callable in the pool (or on the loop with ``inline_sync``)."""
-        if self.pool is None:
-            return func()
-        return await self.pool.run(func)
 
     async def attach(self, session: Session, peer: Peer) -> None:
         """Attach ``peer`` to ``session``; a peer still attached is told and disconnected (takeover)."""
@@ -241,8 +242,10 @@ class SessionTable:
         try:
             if asyncio.iscoroutinefunction(close):
                 await asyncio.wait_for(close(), self.config.call_timeout)
+            elif session.pool is None:
+                close()
             else:
-                await asyncio.wait_for(self.run_sync(close), self.config.call_timeout)
+                await asyncio.wait_for(session.pool.run(close), self.config.call_timeout)
         except Exception:
             logger.exception("close() of a %s session raised", session.spec.name)
 

@@ -141,7 +141,7 @@ def test_a_cheap_tool_runs_inline_until_it_runs_long_then_goes_back_to_the_pool(
         return inlined, demoted
 
     with make_server(call_timeout=30.0, inline_threshold=0.001) as srv:
-        policy = srv.table.pool.policy  # read for assertions only (it belongs to the server's loop)
+        policy = srv.table.pools["probe"].policy  # read for assertions only (it belongs to the server's loop)
         inlined, demoted = asyncio.run(warm_up_then_one_long_run(srv))
         fast_done_first, slow_reply = asyncio.run(_others_progress_during_a_nap(srv))
     assert inlined and demoted
