@@ -5,7 +5,9 @@ The tree (all under ``sdk.exceptions.ToolgymError``, the project-wide base)::
     ToolgymError
     └── EnvServerError
         ├── ConfigError          a ServerConfig value out of range
-        └── EnvSpecError         an environment spec (``NAME=module:Class``) cannot be loaded
+        ├── EnvSpecError         an environment spec (``NAME=module:Class``) cannot be loaded
+        ├── Refused              (internal) a new session cannot be opened; carries the wire code
+        └── SessionBusy          (internal) a timed-out sync call still runs on the session's environment
 """
 
 from __future__ import annotations

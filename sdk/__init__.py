@@ -6,7 +6,8 @@
 * ``RemoteEnvironment`` (async), ``SyncRemoteEnvironment`` (scripts), ``remote_factory`` (a
   picklable ``environment_factory``): the client of the env server.
 * ``ToolEnv`` / ``GymnasiumEnvironment`` / ``register_environment``: the Gymnasium bridge both ways.
-* Every error derives from ``ToolgymError``; the tree is in ``sdk.exceptions``.
+* Every error derives from ``SDKError`` under the project-wide ``ToolgymError``; the tree is in
+  ``sdk.exceptions``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sdk.exceptions import (
     MissingDocstringError,
     ProtocolError,
     RemoteError,
+    SDKError,
     ServerDrainingError,
     ServerFullError,
     ServerUnavailableError,
@@ -36,7 +38,7 @@ from sdk.exceptions import (
 )
 from sdk.factory import RemoteFactory, remote_factory
 from sdk.gym import GymnasiumEnvironment, ToolEnv, register_environment
-from sdk.loading import load_target
+from sdk.loading import load_target, register_name, registered_names
 from sdk.protocol import PROTOCOL_VERSION
 from sdk.remote import RemoteEnvironment
 from sdk.sync import SyncRemoteEnvironment
@@ -55,6 +57,7 @@ __all__ = [
     "RemoteEnvironment",
     "RemoteError",
     "RemoteFactory",
+    "SDKError",
     "ServerDrainingError",
     "ServerFullError",
     "ServerUnavailableError",
@@ -75,6 +78,8 @@ __all__ = [
     "environment_tools",
     "load_target",
     "register_environment",
+    "register_name",
+    "registered_names",
     "remote_factory",
     "tool_from_function",
 ]

@@ -1,26 +1,29 @@
 """Every error the SDK raises, under one base class.
 
-The tree::
+``ToolgymError`` is the root of every error of the whole project; each package has its own root
+under it (``SDKError`` here, ``envserver.exceptions.EnvServerError``, ``trainer.exceptions.TrainerError``),
+so ``except ToolgymError`` catches anything toolgym raises on purpose. The SDK's tree::
 
     ToolgymError
-    ├── ToolDefinitionError            a tool cannot be described (raised at definition time)
-    │   ├── MissingDocstringError          public method or function without a docstring
-    │   ├── UndocumentedArgumentError      an argument missing from the ``Args:`` section
-    │   └── UnsupportedTypeError           a missing or non-JSON type hint
-    ├── EnvironmentCheckError          ``check_env`` found a broken environment contract
-    ├── SpecNotFoundError              a ``module:Class`` spec names nothing importable
-    ├── ProtocolError                  a peer sent a frame that breaks docs/protocol.md
-    ├── ServerUnavailableError         no server answered within the connect deadline
-    └── RemoteError                    the server answered with a typed error (``code``, ``message``)
-        ├── ToolCallError                  the model's call failed: show ``str(error)`` to the model
-        │   ├── UnknownToolError               no tool of that name
-        │   ├── InvalidArgumentsError          arguments do not match the tool's JSON schema
-        │   └── ToolTimeoutError               the tool ran past the server's per-call deadline
-        ├── AuthenticationError            missing or wrong bearer token
-        ├── UnknownEnvironmentError        the server hosts no environment of that name
-        ├── ServerFullError                session limit reached and the wait queue full or timed out
-        ├── ServerDrainingError            the server is shutting down and takes no new episode
-        └── SessionLostError               the session is gone (closed, evicted, expired, not found)
+    └── SDKError
+        ├── ToolDefinitionError            a tool cannot be described (raised at definition time)
+        │   ├── MissingDocstringError          public method or function without a docstring
+        │   ├── UndocumentedArgumentError      an argument missing from the ``Args:`` section
+        │   └── UnsupportedTypeError           a missing or non-JSON type hint
+        ├── EnvironmentCheckError          ``check_env`` found a broken environment contract
+        ├── SpecNotFoundError              a ``module:Class`` spec names nothing importable
+        ├── ProtocolError                  a peer sent a frame that breaks docs/protocol.md
+        ├── ServerUnavailableError         no server answered within the connect deadline
+        └── RemoteError                    the server answered with a typed error (``code``, ``message``)
+            ├── ToolCallError                  the model's call failed: show ``str(error)`` to the model
+            │   ├── UnknownToolError               no tool of that name
+            │   ├── InvalidArgumentsError          arguments do not match the tool's JSON schema
+            │   └── ToolTimeoutError               the tool ran past the server's per-call deadline
+            ├── AuthenticationError            missing or wrong bearer token
+            ├── UnknownEnvironmentError        the server hosts no environment of that name
+            ├── ServerFullError                session limit reached and the wait queue full or timed out
+            ├── ServerDrainingError            the server is shutting down and takes no new episode
+            └── SessionLostError               the session is gone (closed, evicted, expired, not found)
 
 ``ToolCallError`` is the one family a training loop should turn into a tool message: it is the
 remote twin of a local tool raising. Every other ``RemoteError`` is an infrastructure failure.
@@ -30,10 +33,14 @@ from __future__ import annotations
 
 
 class ToolgymError(Exception):
-    """Base class of every error raised by ``sdk`` (and of ``envserver``'s own errors)."""
+    """The root of every error toolgym raises on purpose (``sdk``, ``envserver``, ``trainer``, ``toolgym``)."""
 
 
-class ToolDefinitionError(ToolgymError, TypeError):
+class SDKError(ToolgymError):
+    """Base class of the SDK's errors (tools, environment checks, the env server client)."""
+
+
+class ToolDefinitionError(SDKError, TypeError):
     """A function or environment method cannot be turned into a tool."""
 
 
@@ -49,23 +56,23 @@ class UnsupportedTypeError(ToolDefinitionError):
     """A tool argument has no type hint, or one that JSON schema cannot express."""
 
 
-class EnvironmentCheckError(ToolgymError):
+class EnvironmentCheckError(SDKError):
     """An environment breaks the contract that ``sdk.check_env`` verifies."""
 
 
-class SpecNotFoundError(ToolgymError, LookupError):
+class SpecNotFoundError(SDKError, LookupError):
     """A ``module:Class`` (or bundled short name) spec names no importable module or attribute."""
 
 
-class ProtocolError(ToolgymError):
+class ProtocolError(SDKError):
     """A frame that does not follow the wire protocol, or an unsupported protocol version."""
 
 
-class ServerUnavailableError(ToolgymError, ConnectionError):
+class ServerUnavailableError(SDKError, ConnectionError):
     """No env server could be reached before the connect deadline."""
 
 
-class RemoteError(ToolgymError):
+class RemoteError(SDKError):
     """A typed error reported by the env server.
 
     Attributes:

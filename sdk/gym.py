@@ -4,9 +4,9 @@
   text (the prompt, then each tool result); an action is a tool call as JSON text,
   ``{"name": "increment", "arguments": {"step": 1}}``, and any other text is the final answer,
   which ends the episode with ``get_reward()`` as its reward. ``register_environment`` registers
-  one as ``toolgym/<Name>-v0``; importing this module registers the bundled environments, so
-  ``gymnasium.make("toolgym/IncrementEnv-v0")`` works after ``import sdk``, and
-  ``gymnasium.make("sdk:toolgym/IncrementEnv-v0")`` works without it.
+  one as ``toolgym/<Name>-v0``. The bundled environments register themselves when ``environments``
+  is imported, so ``gymnasium.make("toolgym/IncrementEnv-v0")`` works after ``import environments``,
+  and ``gymnasium.make("environments:toolgym/IncrementEnv-v0")`` works without it.
 * ``GymnasiumEnvironment``: a Gymnasium env with text-describable observations as a toolgym
   environment with one ``step(action)`` tool; the episode's return is its reward.
 """
@@ -25,7 +25,6 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from environments import BUNDLED
 from sdk.environment import Environment
 from sdk.loading import load_target
 from sdk.tools import environment_tools
@@ -259,6 +258,3 @@ class GymnasiumEnvironment(Environment):
             return _ANSI.sub("", str(self.env.render())).strip("\n")
         return str(observation)
 
-
-for _short, _spec in BUNDLED.items():
-    register_environment(_spec)

@@ -1,7 +1,8 @@
-"""Find an environment class from a spec string: ``module:Attr`` or a bundled short name.
+"""Find an environment class from a spec string: ``module:Attr`` or a registered short name.
 
 Used by ``toolgym serve`` and by the Gymnasium registration; a miss says what exists ("did you
-mean").
+mean"). Short names live in a registry that packages of environments fill when imported
+(``environments/__init__.py`` registers the bundled ones), so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -15,15 +16,32 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from environments import BUNDLED
 from sdk.exceptions import SpecNotFoundError
+
+_NAMES: dict[str, str] = {}
+
+
+def register_name(name: str, spec: str) -> None:
+    """Make ``load_target(name)`` resolve to ``spec`` (``module:Attr``), the way ``toolgym serve counter`` works.
+
+    Args:
+        name: The short name (``"counter"``).
+        spec: What it stands for (``"environments.counter:IncrementEnv"``); imported only when loaded.
+    """
+    _NAMES[name] = spec
+
+
+def registered_names() -> dict[str, str]:
+    """Every short name registered so far, with its ``module:Attr`` spec."""
+    return dict(_NAMES)
 
 
 def load_target(target: str) -> Callable[[], object]:
     """Import ``module:Attr`` (dotted attributes allowed) or resolve a bundled short name.
 
     Args:
-        target: ``"environments.counter:IncrementEnv"``, or ``"counter"`` for a bundled one.
+        target: ``"environments.counter:IncrementEnv"``, or a registered short name (``"counter"``
+            once ``environments`` is imported).
 
     Returns:
         The attribute (usually an environment class).
@@ -32,12 +50,12 @@ def load_target(target: str) -> Callable[[], object]:
         SpecNotFoundError: the module or attribute does not exist; close matches are suggested.
     """
     if ":" not in target:
-        if target in BUNDLED:
-            return load_target(BUNDLED[target])
+        if target in _NAMES:
+            return load_target(_NAMES[target])
         raise SpecNotFoundError(
-            f"{target!r} is neither module:Class nor a bundled environment"
-            + did_you_mean(target, BUNDLED)
-            + f" (bundled: {', '.join(sorted(BUNDLED))})"
+            f"{target!r} is neither module:Class nor a registered environment name"
+            + did_you_mean(target, _NAMES)
+            + f" (registered: {', '.join(sorted(_NAMES)) or 'none'})"
         )
     module_name, _, attr_path = target.partition(":")
     obj: Any = _import_module(module_name)

@@ -1,18 +1,32 @@
-"""The trainer's exceptions. Every error the trainer raises on purpose derives from
-:class:`TrainerError`::
+"""The trainer's exceptions, all in one place. Every error the trainer raises on purpose derives from
+:class:`TrainerError`, itself under the project-wide :class:`sdk.exceptions.ToolgymError`::
 
-    TrainerError
-    ├── VLLMServerError          the sampler server failed to start, died, or answered an error
-    │   └── WeightSyncError      a weight update was refused or failed (fatal: the server's
-    │                            weights are in an unknown state)
-    ├── RolloutWorkerError       the rollout worker crashed, hung or stopped (carries its traceback)
-    └── ConfigError (ValueError) a config field, or a combination of fields, is invalid
+    ToolgymError                       (sdk.exceptions: the root of every toolgym error)
+    └── TrainerError
+        ├── VLLMServerError            the sampler server failed to start, died, or answered an error
+        │   └── WeightSyncError        a weight update was refused or failed (fatal: the server's
+        │                              weights are in an unknown state)
+        ├── RolloutWorkerError         the rollout worker crashed, hung or stopped (carries its traceback)
+        ├── RankZeroLostError          rank 0 stopped feeding another rank (multi-process training)
+        ├── UnsupportedModelError (TypeError)   the model has layers tree packing cannot run (yet)
+        ├── OversizeSampleError (ValueError)    a sample is longer than ``token_budget``
+        ├── RewardFunctionError (ValueError)   a reward function raised or returned a wrong-length list
+        ├── RewardTimeoutError (TimeoutError)  a reward function hung past ``reward_timeout`` again and again
+        ├── CheckpointSaveError (OSError)      a checkpoint could not be written (disk full...); older ones intact
+        └── ConfigError (ValueError)   a config field, or a combination of fields, is invalid
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-class TrainerError(Exception):
+from sdk.exceptions import ToolgymError
+
+if TYPE_CHECKING:
+    from trainer.records import TrainingSample
+
+
+class TrainerError(ToolgymError):
     """Base class of the trainer's errors."""
 
 
@@ -38,5 +52,40 @@ class RolloutWorkerError(TrainerError):
     """The rollout worker process failed; the message carries the worker's traceback."""
 
 
+class RankZeroLostError(TrainerError):
+    """Rank 0 stopped feeding this rank: its heartbeat froze or the store became unreachable."""
+
+
+class UnsupportedModelError(TrainerError, TypeError):
+    """The model has layers that tree packing cannot run correctly (yet); the message says what to do."""
+
+
+class RewardFunctionError(TrainerError, ValueError):
+    """A reward function raised or returned the wrong number of rewards (the message names it)."""
+
+
+class RewardTimeoutError(TrainerError, TimeoutError):
+    """A reward function ran past ``reward_timeout`` in several groups in a row: it hangs on every input."""
+
+
+class CheckpointSaveError(TrainerError, OSError):
+    """Saving a checkpoint failed (disk full...); nothing of it was kept, the earlier ones are intact."""
+
+
 class ConfigError(TrainerError, ValueError):
     """An invalid configuration value or combination (names the rule, the values and the fix)."""
+
+
+class OversizeSampleError(TrainerError, ValueError):
+    """A sample has more tokens than ``token_budget`` and fits in no row, even alone.
+
+    The caller drops it with a warning and counts it (``batch/dropped_oversize_count``).
+    """
+
+    def __init__(self, sample: TrainingSample, token_budget: int) -> None:
+        super().__init__(
+            f"sample of {sample.num_tokens} tokens (group {sample.group_id}) exceeds "
+            f"token_budget={token_budget}; it cannot be trained and is dropped"
+        )
+        self.sample = sample
+        self.token_budget = token_budget

@@ -37,11 +37,17 @@ def test_public_classes_and_functions_are_exported(package):
                 assert name in exported, f"{module_name}.{name} is public but not in {package}.__all__"
 
 
-def test_every_sdk_error_derives_from_the_base():
-    import sdk.exceptions as exc_module
-    from sdk import ToolgymError
 
-    errors = [v for v in vars(exc_module).values() if inspect.isclass(v) and issubclass(v, Exception)]
-    assert all(issubclass(e, ToolgymError) for e in errors)
-    tree = exc_module.__doc__ or ""
-    assert all(e.__name__ in tree for e in errors), "the docstring tree lists every exception"
+def test_trainer_lazy_names_resolve_and_match_the_type_checking_block():
+    import ast
+
+    import trainer
+
+    assert trainer.__all__ == sorted(trainer.__all__)
+    for name in trainer.__all__:
+        value = getattr(trainer, name)
+        assert value.__name__ == name
+    tree = ast.parse(inspect.getsource(trainer))
+    typed = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.If)
+             for stmt in node.body if isinstance(stmt, ast.ImportFrom) for alias in stmt.names}
+    assert typed == set(trainer.__all__), "the TYPE_CHECKING block imports exactly the lazy names"

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.exceptions import TrainerError
+from trainer.exceptions import RankZeroLostError, TrainerError
 from trainer.training.batching import MicroBatch
 from trainer.training.loss import STAT_REDUCTIONS
 
@@ -43,10 +43,6 @@ __all__ = ["RankZeroLostError", "StepFeed", "StepPayload", "all_reduce_loss_stat
 
 _KEY = "toolgym/feed"
 POLL_S = 0.05
-
-
-class RankZeroLostError(TrainerError):
-    """Rank 0 stopped feeding this rank: its heartbeat froze or the store became unreachable."""
 
 
 @dataclass

@@ -20,24 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.exceptions import OversizeSampleError
 from trainer.records import TrainingSample
 
 __all__ = ["OversizeSampleError", "PackedRow", "RowPlanner", "batch_metrics", "build_row"]
-
-
-class OversizeSampleError(ValueError):
-    """A sample has more tokens than ``token_budget`` and fits in no row, even alone.
-
-    The caller drops it with a warning and counts it (``batch/dropped_oversize_count``).
-    """
-
-    def __init__(self, sample: TrainingSample, token_budget: int) -> None:
-        super().__init__(
-            f"sample of {sample.num_tokens} tokens (group {sample.group_id}) exceeds "
-            f"token_budget={token_budget}; it cannot be trained and is dropped"
-        )
-        self.sample = sample
-        self.token_budget = token_budget
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""The import graph runs one way: each layer imports only the layers below it (docs/architecture.md).
+
+Read from the source (every ``import``, lazy ones inside functions included), so an arrow back up a
+layer fails here even when no test happens to execute it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# layer -> the layers it may import (itself included)
+ALLOWED: dict[str, set[str]] = {
+    "sdk": {"sdk"},
+    "environments": {"sdk", "environments"},
+    "envserver": {"sdk", "environments", "envserver"},
+    # the trainer's top modules: what both of its processes share (config, records, exceptions, ...)
+    "trainer.shared": {"sdk", "trainer.shared"},
+    "trainer.rollout": {"sdk", "trainer.shared", "trainer.rollout"},
+    "trainer.training": {"sdk", "trainer.shared", "trainer.training"},
+    "trainer.sync": {"trainer.shared", "trainer.sync"},
+    "trainer.async_grpo_trainer": {"sdk", "trainer.shared", "trainer.rollout", "trainer.training", "trainer.sync",
+                                   "trainer.async_grpo_trainer"},
+    "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.rollout", "trainer.training",
+                "trainer.sync", "trainer.async_grpo_trainer", "toolgym"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name belongs to (``None`` for third-party modules)."""
+    top = module.split(".")[0]
+    if top in ("sdk", "environments", "envserver", "toolgym"):
+        return top
+    if top != "trainer":
+        return None
+    if module == "trainer":  # the package's lazy facade re-exports from every layer of the trainer
+        return "trainer.async_grpo_trainer"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("rollout", "training", "sync", "async_grpo_trainer"):
+        return f"trainer.{parts[1]}"
+    return "trainer.shared"
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Every module ``path`` imports, resolved to absolute dotted names."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: -node.level]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                found.add(node.module)
+    return found
+
+
+def library_modules() -> list[tuple[Path, str]]:
+    out = []
+    for package in ALLOWED:
+        if "." in package:
+            continue
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out.append((path, ".".join(parts)))
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append((path, ".".join(parts)))
+    return out
+
+
+@pytest.mark.parametrize("path,module", library_modules(), ids=lambda v: v if isinstance(v, str) else "")
+def test_imports_only_go_down(path: Path, module: str) -> None:
+    own = layer_of(module)
+    assert own is not None
+    wrong = sorted(m for m in imports_of(path, module) if (layer := layer_of(m)) is not None and layer not in ALLOWED[own])
+    assert not wrong, f"{module} ({own}) imports {wrong}, above or beside its layer"
