@@ -41,6 +41,7 @@ from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
 from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_server_info
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
@@ -176,6 +177,7 @@ class AsyncGRPOTrainer(Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    prompt_column_required: bool = True  # without an environment, the dataset must have a "prompt" column
 
     def __init__(
         self,
@@ -200,7 +202,7 @@ class AsyncGRPOTrainer(Trainer):
         if train_dataset is None and args.max_steps <= 0:
             raise ConfigError("without a train_dataset the environment owns the data, so the run has no epochs: "
                               "set max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
-        _validate_dataset(train_dataset, environment_factory is not None)
+        _validate_dataset(train_dataset, environment_factory is not None or not self.prompt_column_required)
         init_kwargs = dict(args.model_init_kwargs or {})
         if isinstance(model, str):
             init_kwargs.setdefault("dtype", getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
@@ -256,7 +258,8 @@ class AsyncGRPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """Train until the epochs are done (or ``max_steps``); always stops the rollout worker."""
         _check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
-                         environment_factory=self.environment_factory, loop_cls=self.loop_cls)
+                         environment_factory=self.environment_factory, loop_cls=self.loop_cls,
+                         **self.rollout_loop_kwargs())
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -324,11 +327,11 @@ class AsyncGRPOTrainer(Trainer):
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         max_model_len, kv_tokens = self._server_limits(admin)
         token_budget = args.token_budget or max_model_len
-        if args.top_k > 0 or args.top_p < 1:
-            logger.warning(
-                "top_k=%s / top_p=%s: this server build cannot return each token's candidate set "
-                "(--return-sampling-mask), so log-probs are normalised over the full vocabulary and the "
-                "importance ratios are biased", args.top_k, args.top_p)
+        server = read_server_info(admin.request)  # the candidate-set path (warned when none), the dtype
+        candidates = candidate_path(server, args.top_k, args.top_p, args.min_p)
+        mismatch = dtype_mismatch(server, str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        if mismatch:
+            logger.warning(mismatch)
         ctx = spawn_context()
         allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
         channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
@@ -346,7 +349,9 @@ class AsyncGRPOTrainer(Trainer):
             environment_factory=self.environment_factory, dataset_start_index=start,
             max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
             lora_name=self._adapter_sync.lora_name if self._adapter_sync is not None else None,
+            served_model=server.model, candidates=candidates,
         )
+        loop_kwargs.update(self.rollout_loop_kwargs())
         self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
         self.worker.start()
         stop = None
@@ -358,6 +363,10 @@ class AsyncGRPOTrainer(Trainer):
         if self.feed is not None:
             self.feed.mark_ready()
         return self.stream
+
+    def rollout_loop_kwargs(self) -> dict[str, Any]:
+        """Extra constructor arguments of ``loop_cls`` (a subclass's own; they must pickle). Default: none."""
+        return {}
 
     def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:
         """The weight-transfer backend matching the server (``toolgym_shm`` on CPU, NCCL on GPU)."""

@@ -20,14 +20,15 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from sdk.exceptions import ToolgymError
+from sdk.exceptions import ServerDrainingError, ServerUnavailableError, SessionLostError, ToolgymError
 from sdk.tools import Tool, environment_tools
 from trainer.config import AsyncGRPOConfig
-from trainer.exceptions import RolloutWorkerError, VLLMServerError
+from trainer.exceptions import RolloutWorkerError, TrainerError, VLLMServerError
 from trainer.metrics import RecordBuffer
 from trainer.records import (
     QueuedGroup,
@@ -43,8 +44,9 @@ from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.sampler_client import SamplerClient, SamplingParams
+from trainer.rollout.server_info import CandidatePath, check_turn_length, truncates
 from trainer.rollout.scoring import (
-    call_reward_funcs,
+    RewardRunner,
     group_advantages,
     is_degenerate,
     reward_func_name,
@@ -66,10 +68,17 @@ METRICS_FLUSH_S = 1.0
 # The policy version a group started under, seen by its rollouts' requests (asyncio tasks copy it).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("toolgym_group_version", default=None)
 FAILING_ROLLOUTS_LIMIT = 32  # consecutive failed rollouts (none succeeding) before the run stops
+ENV_RETRIES = 2  # restarts of a rollout on another environment after its env server or session was lost
+# The env server or the session went away mid-episode: the rollout starts over on another instance.
+_ENVIRONMENT_LOST = (ServerUnavailableError, SessionLostError, ServerDrainingError)
 
 
-class _RolloutFailed(Exception):
-    """A rollout could not run (its environment's reset raised, ...): the group goes on without it."""
+class RolloutFailed(Exception):
+    """A rollout could not run (its environment's reset raised, ...): the group goes on without it.
+
+    Raise it from :meth:`AsyncRolloutLoop.run_rollout` to fail only that rollout (it is logged and
+    counted in ``rollout/failed_count``); any other exception stops the run.
+    """
 
 
 class AsyncRolloutLoop:
@@ -87,6 +96,8 @@ class AsyncRolloutLoop:
         environment_factory: Environment factory, or dict name -> factory.
         score_queue_maxsize: Finished groups waiting to be scored before generation blocks.
         dataset_start_index: Stream position to start from (resume).
+        dataset_skip_positions: Positions past ``dataset_start_index`` already trained before the
+            checkpoint being resumed (not generated again).
         max_model_len: The server's ``max_model_len`` (discovered by the trainer).
         kv_cache_tokens: The server's KV-cache capacity, ``None`` when unknown.
         chat_template: The template :meth:`generate_one` renders with instead of the tokenizer's own
@@ -94,6 +105,10 @@ class AsyncRolloutLoop:
         lora_name: With adapter-only LoRA sync, the prefix of the adapters' names: each request
             asks for the adapter of the policy version its group started under
             (:meth:`rollout_model`). ``None``: the base model's name.
+        served_model: The name the server serves the trainer's model under (requests name it);
+            ``None``: the base model ``/v1/models`` lists.
+        candidates: How each sampled token's top-k/top-p candidate set is read from the server, as
+            chosen at start (:func:`trainer.rollout.server_info.candidate_path`); ``None``: not at all.
     """
 
     def __init__(
@@ -109,10 +124,13 @@ class AsyncRolloutLoop:
         environment_factory: Any = None,
         score_queue_maxsize: int = 16,
         dataset_start_index: int = 0,
+        dataset_skip_positions: Collection[int] = (),
         max_model_len: int = 2048,
         kv_cache_tokens: int | None = None,
         chat_template: str | None = None,
         lora_name: str | None = None,
+        served_model: str | None = None,
+        candidates: CandidatePath | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -125,6 +143,7 @@ class AsyncRolloutLoop:
         self.envs = EnvironmentPool(environment_factory)
         self.score_queue_maxsize = score_queue_maxsize
         self.start_position = dataset_start_index
+        self.skip_positions = frozenset(dataset_skip_positions)
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
         self.chat_template_kwargs = dict(config.chat_template_kwargs or {})
@@ -133,15 +152,18 @@ class AsyncRolloutLoop:
         self._incremental_render: bool | None = None  # decided on the first rollout
         self.records = RecordBuffer()
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts, thread_name_prefix="tool")
+        self.rewards = RewardRunner(self.reward_funcs, self.executor, config.reward_timeout)
         self.sampler = SamplerClient(config.vllm_server_base_url, max_connections=config.max_concurrent_rollouts,
                                      timeout_s=config.vllm_server_timeout, seed=config.seed)
+        self.sampler.model = served_model
         self.params = SamplingParams(
             max_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
             top_k=config.top_k, min_p=config.min_p, logprobs=config.num_sampler_logprobs,
-            stop_token_ids=self.eos_token_ids,
+            stop_token_ids=self.eos_token_ids, candidates=candidates,
         )
         self._failed_in_a_row = 0
         self._generated_tokens = 0
+        self._groups_started = 0  # group_id: groups counted from 0
 
     # ----------------------------------------------------------------------------------- hooks
     def log_metric(self, name: str, value: float) -> None:
@@ -181,17 +203,19 @@ class AsyncRolloutLoop:
         """Whether to generate for this prompt; a rejected prompt counts as consumed. Default: all."""
         return True
 
-    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """Sample one response to ``prompt_ids`` from the vLLM server with the config's settings.
+    async def generate_one_turn(self, prompt_ids: list[int], params: SamplingParams | None = None) -> TurnRecord:
+        """Sample one response to ``prompt_ids`` from the vLLM server with the config's settings
+        (or with ``params``, a caller's own limits: the harness endpoint's per-request ``max_tokens``).
 
-        ``max_tokens`` is ``max_completion_length``, reduced so that prompt + completion fit the
-        server's ``max_model_len``. An override that calls ``self.sampler.complete`` itself passes
-        ``model=self.rollout_model()`` (the LoRA adapter of the rollout's policy version).
+        ``max_tokens`` is ``max_completion_length``. A prompt plus that over the server's
+        ``max_model_len`` stops the run (:func:`~trainer.rollout.server_info.check_turn_length`); with
+        top-k/top-p the turn is cut at ``max_model_len`` instead. An override that calls
+        ``self.sampler.complete`` itself passes ``model=self.rollout_model()`` (the LoRA adapter of the
+        rollout's policy version).
         """
-        room = self.max_model_len - len(prompt_ids)
-        if room <= 0:
-            return TurnRecord(prompt_ids=list(prompt_ids), output_ids=[], finish_reason="length")
-        params = self.params
+        params = params or self.params
+        room = check_turn_length(len(prompt_ids), params.max_tokens, self.max_model_len,
+                                 truncates(params.top_k, params.top_p, params.min_p))
         if room < params.max_tokens:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room})
         try:
@@ -214,6 +238,24 @@ class AsyncRolloutLoop:
         started = _GROUP_VERSION.get()
         version = current if started is None or current - started > self.config.max_staleness else started
         return adapter_name(self.lora_name, version)
+
+    async def run_rollout(self, row: dict[str, Any], prompt: list[dict[str, Any]], tools: list[Tool], env: Any,
+                          group_id: int = 0) -> Rollout:
+        """One rollout once its slot and environment are held; the default runs :meth:`generate_one`.
+
+        The seam for a loop whose rollouts are not its own turn loop (the harness loop runs a
+        user's agent here). Raise :class:`RolloutFailed` to fail only this rollout.
+
+        Args:
+            row: The dataset row.
+            prompt: The row's prompt with the environment's ``reset()`` text appended.
+            tools: The trainer's tools and the environment's.
+            env: The rollout's environment (``None`` without ``environment_factory``).
+            group_id: The rollout's group.
+        """
+        if not prompt:
+            raise RolloutFailed("the rollout has no prompt: the dataset row has no 'prompt' and reset() returned None")
+        return await self.generate_one(prompt, tools, group_id=group_id)
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Tool], group_id: int = 0) -> Rollout:
         """One whole rollout: a multi-turn tool loop.
@@ -381,6 +423,8 @@ class AsyncRolloutLoop:
         rejected_in_a_row = 0
         size = len(self.dataset) if self.dataset is not None else None
         for position, row_index, row, epoch in self._prompt_stream():
+            if position in self.skip_positions:
+                continue  # trained before the checkpoint this run resumed from
             if not self.filter_prompt(row_index, row, epoch):
                 rejected_in_a_row += 1
                 if size is not None and rejected_in_a_row >= size:
@@ -413,11 +457,12 @@ class AsyncRolloutLoop:
     async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
         version = int(self.channels.model_version.value)
         _GROUP_VERSION.set(version)  # this task's context, copied into its rollouts' tasks
-        results = await asyncio.gather(*(self._one_rollout(row, position, reserved=True)
+        group_id, self._groups_started = self._groups_started, self._groups_started + 1
+        results = await asyncio.gather(*(self._one_rollout(row, group_id, reserved=True)
                                          for _ in range(self.config.num_generations)),
                                        return_exceptions=True)
         for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, _RolloutFailed):
+            if isinstance(r, BaseException) and not isinstance(r, RolloutFailed):
                 raise r
         ok = [r for r in results if isinstance(r, tuple)]
         if not ok:
@@ -438,7 +483,7 @@ class AsyncRolloutLoop:
             prompts=prompts, reward_kwargs={k: [v] * len(rollouts) for k, v in columns.items()},
             completions=[r.completion for r in rollouts], completions_ids=[r.completion_ids for r in rollouts],
             completions_sequences=sequences, tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version, group_id=position,
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version, group_id=group_id,
             row_index=row_index, env_rewards=env_rewards, rollout_rewards=[r.reward for r in rollouts],
             queued_at=time.monotonic(), truncated=[r.truncated(self.eos_token_ids) for r in rollouts],
         )
@@ -446,46 +491,71 @@ class AsyncRolloutLoop:
         await self.score_queue.put((group, rollouts, position))
         self.records.add("rollout/score_block_s", time.monotonic() - t0)
 
-    async def _one_rollout(self, row: dict[str, Any], position: int,
+    async def _one_rollout(self, row: dict[str, Any], group_id: int,
                            reserved: bool = False) -> tuple[list[dict[str, Any]], Rollout, Any]:
         """Acquire a slot (promised to this rollout's group when ``reserved``) and an environment, run
-        :meth:`generate_one`, score the environment."""
+        :meth:`run_rollout`, score the environment.
+
+        An env server or session lost mid-episode (the server died, was restarted, drains) starts
+        the rollout over on another environment instance, whose ``reset`` opens a new session on a
+        live replica (``rollout/env_retry_count``), at most ``ENV_RETRIES`` times; when no replica
+        is reachable that ``reset`` raises ``ServerUnavailableError`` and the run stops.
+        """
         await self.cap.acquire(reserved)
         t0 = time.monotonic()
-        name, env = None, None
+        retries = 0
         try:
-            prompt = list(row.get("prompt") or [])
-            tools = list(self.tools)
-            if self.envs.enabled:
-                name = self.envs.resolve(row)
-                env = self.envs.acquire(name)
-                prompt = await self._reset_env(env, row, prompt)
-                tools += environment_tools(env)
-            if not prompt:
-                raise _RolloutFailed("the rollout has no prompt: the dataset row has no 'prompt' and reset() returned None")
-            try:
-                rollout = await self.generate_one(prompt, tools, group_id=position)
-                env_reward = await self._env_reward(env) if env is not None else None
-            except ToolgymError as exc:  # the env server or its session failed, not the model
-                raise _RolloutFailed(f"environment {type(env).__name__}: {type(exc).__name__}: {exc}") from exc
-            self._failed_in_a_row = 0
-            return prompt, rollout, env_reward
-        except _RolloutFailed as exc:
-            self._rollout_failed(str(exc), env)
-            raise
+            while True:
+                try:
+                    result = await self._rollout_on_an_environment(row, group_id)
+                except RolloutFailed as exc:
+                    if not isinstance(exc.__cause__, _ENVIRONMENT_LOST) or retries == ENV_RETRIES:
+                        self._rollout_failed(str(exc))
+                        raise
+                    retries += 1
+                    logger.warning("rollout starts over on another environment: %s", exc)
+                    self.records.add("rollout/env_retry_count", 1)
+                    continue
+                self._failed_in_a_row = 0
+                return result
         finally:
-            if env is not None:
-                self.envs.release(name, env)
             self.records.add("rollout/duration_s", time.monotonic() - t0)
             await self.cap.release()
+
+    async def _rollout_on_an_environment(self, row: dict[str, Any],
+                                         group_id: int) -> tuple[list[dict[str, Any]], Rollout, Any]:
+        """One attempt: an environment from the pool (returned after success, dropped after failure)."""
+        prompt = list(row.get("prompt") or [])
+        tools = list(self.tools)
+        if not self.envs.enabled:
+            return prompt, await self.run_rollout(row, prompt, tools, None, group_id=group_id), None
+        name = self.envs.resolve(row)
+        env = self.envs.acquire(name)
+        try:
+            prompt = await self._reset_env(env, row, prompt)
+            tools += environment_tools(env)
+            try:
+                rollout = await self.run_rollout(row, prompt, tools, env, group_id=group_id)
+                env_reward = await self._env_reward(env)
+            except TrainerError:
+                raise  # the sampler or the trainer failed, not the environment
+            except ToolgymError as exc:  # the env server or its session failed, not the model
+                raise RolloutFailed(f"environment {type(env).__name__}: {type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self.envs.discard(env)  # its state is unknown: never handed to another rollout
+            raise
+        self.envs.release(name, env)
+        return prompt, rollout, env_reward
 
     async def _reset_env(self, env: Any, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
         t0 = time.monotonic()
         try:
             text = await call_maybe_async(env.reset, self.executor, **kwargs)
+        except ServerUnavailableError:
+            raise  # a new session found no env server (any replica) up: the run stops, naming them
         except Exception as exc:
-            raise _RolloutFailed(f"{type(env).__name__}.reset raised {type(exc).__name__}: {exc}") from exc
+            raise RolloutFailed(f"{type(env).__name__}.reset raised {type(exc).__name__}: {exc}") from exc
         self.records.add("env/reset_s", time.monotonic() - t0)
         if text is None:
             return prompt
@@ -504,10 +574,8 @@ class AsyncRolloutLoop:
         self.records.add("env/reward_s", time.monotonic() - t0)
         return None if value is None else (type(env), float(value))
 
-    def _rollout_failed(self, message: str, env: Any) -> None:
+    def _rollout_failed(self, message: str) -> None:
         logger.warning("rollout failed: %s", message)
-        if env is not None:
-            self.envs.discard(env)
         self._failed_in_a_row += 1
         self.records.add("rollout/failed_count", 1)
         if self._failed_in_a_row >= FAILING_ROLLOUTS_LIMIT:
@@ -530,7 +598,9 @@ class AsyncRolloutLoop:
             group, rollouts, position = await self.score_queue.get()
             self.records.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
             t0 = time.monotonic()
-            queued = self._score(group, await call_reward_funcs(self.reward_funcs, group, self.executor), position)
+            queued = self._score(group, await self.rewards(group), position, [r.rollout_id for r in rollouts])
+            for name, count in self.rewards.take_timeouts().items():
+                self.records.add(f"rewards/{name}/timeout_count", count)
             self.records.add("rollout/score_s", time.monotonic() - t0)
             total_tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
             self.allowance.finished(queued.tokens, total_tokens)
@@ -538,7 +608,8 @@ class AsyncRolloutLoop:
             self._send_records()
             self.channels.rollout_buffer.put(queued)
 
-    def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int) -> QueuedGroup:
+    def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int,
+               rollout_ids: list[str] | None = None) -> QueuedGroup:
         n = len(group.completions)
         sources: dict[str, list[float | None]] = {
             reward_func_name(f): values for f, values in zip(self.reward_funcs, func_rewards)}
@@ -572,8 +643,9 @@ class AsyncRolloutLoop:
                 continue  # masked: out of the baseline above, and out of the loss
             for seq in seqs:
                 queued.samples.append(TrainingSample(
-                    sequence=seq, advantage=float(advantages[i]), group_id=position,
+                    sequence=seq, advantage=float(advantages[i]), group_id=group.group_id,
                     policy_version=group.model_version, row_index=group.row_index,
-                    reward=float(group.rewards[i]), queued_at=now))
+                    reward=float(group.rewards[i]), queued_at=now,
+                    rollout_id=rollout_ids[i] if rollout_ids else ""))
         queued.tokens = sum(s.num_tokens for s in queued.samples)
         return queued

@@ -7,6 +7,11 @@ seeds would make data-parallel engines decode identical samples; the seeds come 
 own generator, seeded by the caller, so a run is reproducible). Failed requests are retried
 with exponential backoff; :attr:`SamplerClient.retry_count` feeds ``rollout/vllm_retry_count``.
 
+Under top-k/top-p/min-p truncation each sampled token's candidate set comes back with the turn
+(:attr:`TurnRecord.output_sampling_mask`), by the path :mod:`trainer.rollout.server_info` chose at
+start: the server's sampling mask through ``/inference/v1/generate``, or the finite entries of the
+top ``top_k`` processed log-probs of ``/v1/completions``.
+
 Completions and control requests (``/health``, ``/v1/models``, ``/metrics``) use two connection
 pools: the completions' pool holds one connection per rollout slot, so a ``/metrics`` poll never
 takes a rollout's connection or waits behind the completions (aiohttp would queue the request
@@ -27,6 +32,13 @@ import aiohttp
 
 from trainer.exceptions import VLLMServerError
 from trainer.records import TurnRecord
+from trainer.rollout.server_info import (
+    EXCLUDED_LOGPROB,
+    GENERATE_ROUTE,
+    CandidatePath,
+    candidate_set,
+    served_model_entry,
+)
 
 _PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$")
 _PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -49,6 +61,13 @@ class SamplingParams:
     min_p: float | None = None
     logprobs: int = 8
     stop_token_ids: list[int] | None = None
+    candidates: CandidatePath | None = None
+    """How each sampled token's candidate set is read (:func:`~trainer.rollout.server_info.candidate_path`);
+    ``None`` or ``"full_vocab"``: not at all."""
+
+    def top_logprobs_requested(self) -> int:
+        """Top log-probs to ask for: ``logprobs``, or ``top_k`` when they also carry the candidate set."""
+        return max(self.logprobs, self.top_k) if self.candidates == "processed_topk" else self.logprobs
 
 
 @dataclass
@@ -210,11 +229,12 @@ class SamplerClient:
         return self.model
 
     async def _first_model(self) -> dict[str, Any]:
+        """The base model's entry of ``/v1/models`` (not a LoRA adapter listed before it)."""
         async with self.control_session.get(f"{self.base_url}/v1/models") as r:
             models = await r.json()
-        first: dict[str, Any] = models["data"][0]
-        self.model = first["id"]
-        return first
+        entry = served_model_entry(models, self.model)
+        self.model = entry["id"]
+        return entry
 
     async def _metrics_text(self) -> str:
         async with self.control_session.get(f"{self.base_url}/metrics") as r:
@@ -236,25 +256,27 @@ class SamplerClient:
         ``model`` names a LoRA adapter loaded on the server; the base model when ``None`` (its name
         is fetched on the first request unless :meth:`model_name` or :meth:`limits` ran before).
         """
-        body: dict[str, Any] = {
-            "model": model or await self.model_name(),
-            "prompt": prompt_ids,
+        sampling: dict[str, Any] = {
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
-            "logprobs": params.logprobs,
+            "logprobs": params.top_logprobs_requested(),
             "seed": self._rng.getrandbits(31) if seed is None else seed,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
         if params.min_p is not None:
-            body["min_p"] = params.min_p
+            sampling["min_p"] = params.min_p
         if params.stop_token_ids:
-            body["stop_token_ids"] = params.stop_token_ids
+            sampling["stop_token_ids"] = params.stop_token_ids
+        name = model or await self.model_name()
+        if params.candidates == "sampling_mask":
+            body = {"model": name, "token_ids": prompt_ids, "sampling_params": {**sampling, "detokenize": False}}
+            return _generate_turn(prompt_ids, await self._post_with_retries(GENERATE_ROUTE, body), params.logprobs)
+        body = {"model": name, "prompt": prompt_ids, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                **sampling}
         data = await self._post_with_retries("/v1/completions", body)
-        return self._turn(prompt_ids, data, params.logprobs)
+        return self._turn(prompt_ids, data, params.logprobs, params.top_k if params.candidates == "processed_topk" else 0)
 
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = self.backoff_s
@@ -287,22 +309,49 @@ class SamplerClient:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _turn(prompt_ids: list[int], data: dict[str, Any], top_k: int) -> TurnRecord:
+    def _turn(prompt_ids: list[int], data: dict[str, Any], num_top: int, candidates_k: int = 0) -> TurnRecord:
+        """The turn of a ``/v1/completions`` answer: the top ``num_top`` log-probs per token and, when
+        ``candidates_k`` > 0, the candidate set read from the top ``candidates_k`` processed log-probs."""
         choice = data["choices"][0]
-        output_ids = [int(t) for t in choice["token_ids"]]
         lp = choice.get("logprobs") or {}
-        token_logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
         top = lp.get("top_logprobs")
-        # vLLM lists the sampled token next to the top candidates; keep the top ``top_k`` only.
-        sampler_top = (
-            [dict(sorted(((_token_id(k), float(v)) for k, v in (d or {}).items()),
-                         key=lambda kv: -kv[1])[:top_k]) for d in top]
-            if top is not None else None
-        )
-        return TurnRecord(
-            prompt_ids=list(prompt_ids),
-            output_ids=output_ids,
-            output_log_probs=token_logprobs,
-            output_sampler_logprobs=sampler_top,
-            finish_reason=choice.get("finish_reason"),
-        )
+        ranked = ([sorted(((_token_id(k), float(v)) for k, v in (d or {}).items()), key=lambda kv: -kv[1])
+                   for d in top] if top is not None else None)
+        masks = None
+        if candidates_k and ranked is not None:
+            masks = [candidate_set(dict(r[:candidates_k])) for r in ranked]
+        return _turn_record(prompt_ids, [int(t) for t in choice["token_ids"]], lp.get("token_logprobs") or [],
+                            ranked, num_top, masks, choice.get("finish_reason"))
+
+
+def _turn_record(prompt_ids: list[int], output_ids: list[int], token_logprobs: list[Any],
+                 ranked: list[list[tuple[int, float]]] | None, num_top: int, masks: list[list[int]] | None,
+                 finish_reason: str | None) -> TurnRecord:
+    """A :class:`TurnRecord` from parsed log-probs (``ranked``: per token, (id, log-prob) best first)."""
+    # vLLM lists the sampled token next to the top candidates; keep the top ``num_top`` that have mass
+    # (a token outside the candidate set has none: vLLM writes -9999 for its processed log-prob).
+    sampler_top = ([dict([kv for kv in r if kv[1] > EXCLUDED_LOGPROB][:num_top]) for r in ranked]
+                   if ranked is not None else None)
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_log_probs=[float(x) if x is not None else 0.0 for x in token_logprobs],
+        output_sampling_mask=masks,
+        output_sampler_logprobs=sampler_top,
+        finish_reason=finish_reason,
+    )
+
+
+def _generate_turn(prompt_ids: list[int], data: dict[str, Any], num_top: int) -> TurnRecord:
+    """The turn of an ``/inference/v1/generate`` answer (token ids, log-prob lists, the sampling mask)."""
+    choice = data["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content")
+    ranked = ([sorted(((int(c["token_id"]), float(c["logprob"])) for c in entry.get("top_logprobs") or []),
+                      key=lambda kv: -kv[1]) for entry in content] if content is not None else None)
+    token_logprobs = [entry["logprob"] for entry in content] if content is not None else []
+    mask = choice.get("sampling_mask")
+    output_ids = [int(t) for t in choice.get("token_ids") or []]
+    if mask is not None and len(mask) != len(output_ids):
+        raise VLLMServerError(f"{GENERATE_ROUTE} returned {len(mask)} candidate sets for {len(output_ids)} tokens")
+    return _turn_record(prompt_ids, output_ids, token_logprobs, ranked, num_top,
+                        [[int(t) for t in m] for m in mask] if mask is not None else None, choice.get("finish_reason"))

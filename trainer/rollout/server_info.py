@@ -1,0 +1,175 @@
+"""What the vLLM server can do, read from the server at start, and the choices the trainer makes from it.
+
+Read once by the trainer before the rollout worker starts (:func:`read_server_info`):
+
+* the served model's name (requests name it; a server may list LoRA adapters too),
+  ``max_model_len`` and the serving dtype (a mismatch with the trainer's ``dtype`` is warned about:
+  :func:`dtype_mismatch`), from ``/v1/models`` and the dev-mode ``/server_info``;
+* how the server can give each sampled token's top-k/top-p candidate set (:func:`candidate_path`):
+
+  - ``"sampling_mask"``: the source's path, ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28
+    with Model Runner V2): the token-in-token-out route ``/inference/v1/generate`` returns the set;
+  - ``"processed_topk"``: our path on any vLLM started with ``--logprobs-mode processed_logprobs``: the
+    top ``top_k`` processed log-probs of a position are finite exactly on its candidate set (vLLM
+    writes ``-9999`` for the others), so asking for ``top_k`` of them returns the set whenever
+    ``top_k <= --max-logprobs`` (checked here, naming the flag to raise);
+  - ``"full_vocab"``: neither: log-probs are normalised over the whole vocabulary, with a warning
+    that the importance ratios are biased;
+  - ``None``: no truncation (``top_k=0``, ``top_p=1``, no ``min_p``): nothing to ask for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer.exceptions import ConfigError, VLLMServerError
+
+logger = logging.getLogger(__name__)
+
+CandidatePath = Literal["sampling_mask", "processed_topk", "full_vocab"]
+GENERATE_ROUTE = "/inference/v1/generate"
+EXCLUDED_LOGPROB = -9999.0
+"""What vLLM writes for the log-prob of a token outside the candidate set (JSON has no ``-inf``)."""
+
+Request = Callable[..., Any]  # (method, path, body=None) -> decoded JSON; raises VLLMServerError
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the trainer needs to know about the server (``None``: the server did not say).
+
+    Attributes:
+        model: The served model's name (what a request's ``"model"`` names).
+        max_model_len: Longest prompt + completion the server serves.
+        dtype: The serving dtype, e.g. ``"float32"`` (``--dtype``).
+        logprobs_mode: ``--logprobs-mode`` (``"processed_logprobs"`` is what the importance ratio needs).
+        max_logprobs: ``--max-logprobs``: the most top log-probs a request may ask for.
+        return_sampling_mask: ``--return-sampling-mask``.
+        scale_out: Whether ``/inference/v1/generate`` is enabled (``--enable-scale-out``).
+    """
+
+    model: str
+    max_model_len: int
+    dtype: str | None = None
+    logprobs_mode: str | None = None
+    max_logprobs: int | None = None
+    return_sampling_mask: bool = False
+    scale_out: bool = False
+
+
+def served_model_entry(models: dict[str, Any], configured: Any = None) -> dict[str, Any]:
+    """The entry of ``/v1/models`` that is the base model (not a LoRA adapter the server also lists);
+    ``configured``: the served name(s) when known."""
+    entries = list(models.get("data") or [])
+    if not entries:
+        raise VLLMServerError("GET /v1/models listed no model")
+    names = configured if isinstance(configured, list) else [configured] if configured else []
+    for entry in entries:
+        if entry.get("id") in names:
+            return entry
+    # An adapter has the base model as its parent; the base model has none.
+    return next((e for e in entries if not e.get("parent")), entries[0])
+
+
+def _scale_out_enabled(request: Request) -> bool:
+    """Probe the token-in-token-out route: 403 when disabled, 404 on a vLLM without it."""
+    try:
+        request("POST", GENERATE_ROUTE, {})
+    except VLLMServerError as exc:
+        return not any(f"HTTP {code}" in exc.message for code in (403, 404, 405))
+    return True
+
+
+def read_server_info(request: Request) -> ServerInfo:
+    """Read :class:`ServerInfo` from a running server through ``request`` (e.g. ``VLLMAdminClient.request``).
+
+    ``/server_info`` exists in dev mode (``VLLM_SERVER_DEV_MODE=1``, which weight sync needs anyway);
+    without it the server's flags are unknown and count as off.
+    """
+    try:
+        config = request("GET", "/server_info?config_format=json")["vllm_config"]["model_config"]
+    except (VLLMServerError, KeyError, TypeError):
+        config = {}
+    entry = served_model_entry(request("GET", "/v1/models"), config.get("served_model_name"))
+    dtype = config.get("dtype")
+    return ServerInfo(
+        model=str(entry["id"]),
+        max_model_len=int(entry.get("max_model_len") or config.get("max_model_len")),
+        dtype=str(dtype).removeprefix("torch.") if dtype else None,
+        logprobs_mode=config.get("logprobs_mode"),
+        max_logprobs=int(config["max_logprobs"]) if config.get("max_logprobs") is not None else None,
+        return_sampling_mask=bool(config.get("return_sampling_mask")),
+        scale_out=_scale_out_enabled(request) if config.get("return_sampling_mask") else False,
+    )
+
+
+def truncates(top_k: int, top_p: float, min_p: float | None) -> bool:
+    """Whether sampling draws from a restricted candidate set (top-k, top-p or min-p)."""
+    return top_k > 0 or top_p < 1 or (min_p or 0) > 0
+
+
+def candidate_path(info: ServerInfo, top_k: int, top_p: float, min_p: float | None) -> CandidatePath | None:
+    """How the worker gets each sampled token's candidate set from this server (module docstring).
+
+    Raises:
+        ConfigError: ``top_k`` exceeds the server's ``--max-logprobs`` on a server that has only our
+            path: the flag to restart it with is named.
+    """
+    if not truncates(top_k, top_p, min_p):
+        return None
+    if info.return_sampling_mask and info.scale_out:
+        return "sampling_mask"
+    if info.logprobs_mode == "processed_logprobs":
+        if info.max_logprobs is not None and 0 <= info.max_logprobs < top_k:
+            raise ConfigError(
+                f"top_k={top_k} exceeds the server's --max-logprobs={info.max_logprobs}: the trainer reads each "
+                f"token's candidate set from the top top_k processed log-probs. Restart vllm serve with "
+                f"--max-logprobs {top_k} (or, on vLLM >= 0.28 with Model Runner V2, --return-sampling-mask "
+                "--enable-scale-out), or lower top_k")
+        return "processed_topk"
+    logger.warning(
+        "top_k=%s / top_p=%s / min_p=%s: this server cannot return each token's candidate set (it runs neither "
+        "--return-sampling-mask --enable-scale-out nor --logprobs-mode processed_logprobs), so log-probs are "
+        "normalised over the full vocabulary and the importance ratios are biased", top_k, top_p, min_p)
+    return "full_vocab"
+
+
+def check_turn_length(prompt_len: int, max_tokens: int, max_model_len: int, truncating: bool) -> int:
+    """The ``max_tokens`` a turn may ask for, or :class:`VLLMServerError` when the turn cannot be sampled.
+
+    Without truncation a prompt plus ``max_completion_length`` over ``max_model_len`` stops the run
+    (the source's contract: nothing is silently shrunk; vLLM 0.32's ``/v1/completions`` would clamp
+    ``max_tokens`` without a word, so the trainer refuses in the server's terms). With top-k/top-p the
+    turn is cut at ``max_model_len``, and only a prompt already that long is refused.
+    """
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise VLLMServerError(
+            f"this model's maximum context length is {max_model_len} tokens (the server's --max-model-len) and the "
+            f"turn's prompt already has {prompt_len}: raise --max-model-len, or shorten the prompt / the conversation "
+            "(max_tool_calling_iterations)")
+    if room < max_tokens and not truncating:
+        raise VLLMServerError(
+            f"this model's maximum context length is {max_model_len} tokens (the server's --max-model-len), but the "
+            f"turn asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, max_completion_length={max_tokens}"
+            f" in the completion): raise --max-model-len to at least {prompt_len + max_tokens}, or lower "
+            "max_completion_length")
+    return min(room, max_tokens)
+
+
+def dtype_mismatch(info: ServerInfo, trainer_dtype: str) -> str | None:
+    """The warning to give when the trainer's ``dtype`` and the server's ``--dtype`` differ, else ``None``."""
+    if info.dtype is None or trainer_dtype == "auto" or info.dtype == trainer_dtype:
+        return None
+    return (f"the trainer loads the model in dtype={trainer_dtype} but the vLLM server serves it in "
+            f"--dtype {info.dtype}: the train/inference mismatch shows in sampling/importance_sampling_ratio/* "
+            f"and sampling/sampling_logp_difference/*; serve with --dtype {trainer_dtype} to close it")
+
+
+def candidate_set(top: dict[int, float]) -> list[int]:
+    """The token ids of a position's processed top log-probs that have probability mass (not excluded)."""
+    return [t for t, lp in top.items() if math.isfinite(lp) and lp > EXCLUDED_LOGPROB]
