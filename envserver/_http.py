@@ -31,6 +31,7 @@ _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _FIELD = rb"%s:[\t\x20-\x7e\x80-\xff]*\r\n" % _TOKEN
 _UPGRADE_HEAD = re.compile(rb"GET /[\x21-\x7e]* HTTP/1\.1\r\n(?:%s)+\r\n" % _FIELD)
 _UPGRADE_FIELD = re.compile(rb"\r\nupgrade:[\t ]*websocket[\t ]*\r\n", re.IGNORECASE)
+_REFUSED_LINGER = 2.0  # seconds a refused connection stays half-open for the peer to read the answer
 
 
 class UpgradeFastPath(HttpToolsProtocol):
@@ -44,6 +45,7 @@ class UpgradeFastPath(HttpToolsProtocol):
         self._in_head = True  # a request head has begun or is expected, and is not complete yet
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # answered 431: what the peer sends from now on is discarded
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the head deadline as the connection opens."""
@@ -57,6 +59,8 @@ class UpgradeFastPath(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """Count head bytes against the limit; hand a whole upgrade request over at once; else parse."""
+        if self._refused:
+            return
         if self._in_head:
             if (self.cycle is None and self.ws_protocol_class is WebSocketProtocol
                     and len(data) <= self._max_head and _UPGRADE_HEAD.fullmatch(data) is not None
@@ -80,11 +84,15 @@ class UpgradeFastPath(HttpToolsProtocol):
         self.transport.set_protocol(protocol)
 
     def _refuse_head(self) -> None:
+        """Answer 431, then half-close: closing with unread bytes would reset the connection, and the
+        peer could lose the answer. The peer's EOF, or ``_REFUSED_LINGER`` seconds, end it."""
         self._cancel_head_timer()
-        self._in_head = False
+        self._in_head, self._refused = False, True
         body = b"request head larger than %d bytes (max_head_bytes)" % self._max_head
         self.transport.write(http_response(431, list(self.server_state.default_headers), body))
-        self.transport.close()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_REFUSED_LINGER, self.transport.close)
 
     # httptools callbacks: a head ends with its headers; the next one may begin after the message.
 
