@@ -1,0 +1,124 @@
+"""``HarnessAsyncGRPOTrainer``: train the agent you already have, through an OpenAI-compatible endpoint.
+
+The agent is a black box: an async Python function (it gets an
+:class:`~trainer.rollout.agents.AgentTask` with the row, the environment, a per-rollout base URL
+and a ready ``openai.AsyncOpenAI`` client) or a command line run as a subprocess with
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set. Every chat-completions request it makes is sampled
+from the policy being trained and recorded token for token by the rollout worker's capture
+endpoint (:mod:`trainer.rollout.harness`); the rest of the pipeline is
+:class:`~trainer.AsyncGRPOTrainer`'s. See ``docs/harness.md``::
+
+    async def agent(task):
+        reply = await task.client.chat.completions.create(model=task.model, messages=task.prompt)
+        return score(reply.choices[0].message.content)
+
+    trainer = HarnessAsyncGRPOTrainer(model="path/to/model", agent=agent,
+                                      args=HarnessAsyncGRPOConfig(...), train_dataset=dataset)
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.async_grpo_trainer import AsyncGRPOTrainer
+from trainer.config import AsyncGRPOConfig
+from trainer.exceptions import ConfigError
+from trainer.rollout.agents import Agent, check_agent
+from trainer.rollout.harness_loop import HarnessRolloutLoop
+from trainer.rollout.training_templates import rollout_chat_template
+
+__all__ = ["HarnessAsyncGRPOConfig", "HarnessAsyncGRPOTrainer"]
+
+
+@dataclass
+class HarnessAsyncGRPOConfig(AsyncGRPOConfig):
+    """:class:`~trainer.AsyncGRPOConfig` plus the agent's limits and the endpoint's address.
+
+    The sampling fields (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_completion_length``)
+    apply to every request an agent makes: they define the policy being trained, so a request's own
+    ``temperature`` / ``top_p`` are ignored and its ``max_tokens`` can only lower the limit.
+    """
+
+    agent_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds an agent has for one rollout; then it is cut (a subprocess is "
+                                 "killed with its process group) and the rollout fails."})
+    agent_max_requests: int = field(
+        default=64, metadata={"help": "Chat requests one rollout may make; later ones get HTTP 429 "
+                              "(tools/loop_exhausted_frac counts such rollouts)."})
+    agent_parallel_requests: int = field(
+        default=1, metadata={"help": "Requests of one rollout sampled at once; more wait. Every rollout holds "
+                             "one slot of the concurrency cap, so this bounds what one slot can load the server with."})
+    harness_host: str = field(
+        default="127.0.0.1", metadata={"help": "Address the capture endpoint listens on. Loopback: agents run on "
+                                       "this machine; another address exposes it to whoever can reach it "
+                                       "(each rollout's secret still guards its session)."})
+    harness_port: int = field(default=0, metadata={"help": "The endpoint's port; 0 takes a free one."})
+    harness_max_request_bytes: int = field(
+        default=8 * 2**20, metadata={"help": "Largest request body the endpoint reads (HTTP 413 above)."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("agent_timeout", "agent_max_requests", "agent_parallel_requests", "harness_max_request_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.harness_port < 65536:
+            raise ConfigError(f"harness_port must be in [0, 65535] (0: any free port), got {self.harness_port}")
+
+
+class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """GRPO on a black-box agent's conversations (see the module docstring and ``docs/harness.md``).
+
+    Args:
+        model: As :class:`~trainer.AsyncGRPOTrainer`.
+        agent: An async function ``agent(task: AgentTask) -> float | None``, or a command line (a
+            string or a list of arguments) run once per rollout. Must pickle (module level).
+        reward_funcs: Reward functions; they receive the captured conversation as ``completions``.
+            Optional when the agent returns its reward or the environment scores.
+        args: A :class:`HarnessAsyncGRPOConfig`.
+        train_dataset: One row per task. A ``prompt`` column is optional: the agent gets the whole row.
+        processing_class: As :class:`~trainer.AsyncGRPOTrainer`.
+        callbacks: As :class:`~trainer.AsyncGRPOTrainer`.
+        optimizers: As :class:`~trainer.AsyncGRPOTrainer`.
+        peft_config: As :class:`~trainer.AsyncGRPOTrainer`.
+        environment_factory: As :class:`~trainer.AsyncGRPOTrainer`: one instance per rollout, reset
+            before the agent runs (its text joins ``task.prompt``), scored with ``get_reward`` after.
+    """
+
+    loop_cls = HarnessRolloutLoop
+    prompt_column_required = False
+
+    def __init__(
+        self,
+        model: Any,
+        agent: Agent,
+        reward_funcs: Callable[..., Any] | list[Callable[..., Any]] | None = None,
+        args: HarnessAsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+    ) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = HarnessAsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-HarnessGRPO")
+        if not isinstance(args, HarnessAsyncGRPOConfig):
+            raise ConfigError(f"args must be a HarnessAsyncGRPOConfig (it adds agent_timeout and the endpoint's "
+                              f"settings to AsyncGRPOConfig), got {type(args).__name__}")
+        self.agent = agent
+        check_agent(agent)
+        super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_config, environment_factory=environment_factory)
+        if self.rollout_chat_template is None and environment_factory is None:
+            # The agents' requests are multi-turn whatever the trainer knows of their tools: check the template.
+            self.rollout_chat_template = rollout_chat_template(
+                self.processing_class, None, **dict(args.chat_template_kwargs or {}))
+
+    def rollout_loop_kwargs(self) -> dict[str, Any]:
+        """The agent, for :class:`~trainer.rollout.harness_loop.HarnessRolloutLoop`."""
+        return {"agent": self.agent}

@@ -1,0 +1,108 @@
+"""``HarnessRolloutLoop``: the rollout loop whose rollouts are a user's agent talking to the capture endpoint.
+
+The loop keeps everything of :class:`~trainer.rollout.loop.AsyncRolloutLoop` (groups, the three
+concurrency limits, environments, scoring, reconciliation, metrics) and replaces one step:
+:meth:`~HarnessRolloutLoop.run_rollout` opens a :class:`~trainer.rollout.harness.CaptureSession`,
+runs the agent against it (:func:`~trainer.rollout.agents.run_agent`), closes it and turns the
+recorded turns into the :class:`~trainer.records.Rollout` the group is scored and trained on. The
+endpoint (:class:`~trainer.rollout.harness.CaptureServer`) starts in :meth:`setup` and stops in
+:meth:`close`, on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any
+
+from sdk.tools import Tool
+from trainer.records import Rollout, TurnRecord
+from trainer.rollout.agents import AgentTask, check_agent, run_agent
+from trainer.rollout.harness import CaptureServer, CaptureSession
+from trainer.rollout.loop import AsyncRolloutLoop, RolloutFailed
+
+__all__ = ["HarnessRolloutLoop"]
+
+
+def captured_completion(session: CaptureSession) -> list[dict[str, Any]]:
+    """The conversation the reward functions get: the last request from its first assistant message
+    on (the leading system / user messages are the prompt), then the last reply."""
+    messages = session.conversation
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages) - 1)
+    return messages[first:]
+
+
+class HarnessRolloutLoop(AsyncRolloutLoop):
+    """The rollout loop of :class:`~trainer.harness_trainer.HarnessAsyncGRPOTrainer`.
+
+    Args:
+        *args: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`; ``config`` is a
+            :class:`~trainer.harness_trainer.HarnessAsyncGRPOConfig`.
+        agent: The agent (see :func:`~trainer.rollout.agents.check_agent`).
+        **kwargs: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`.
+    """
+
+    def __init__(self, *args: Any, agent: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent = check_agent(agent)
+        self.capture: CaptureServer | None = None
+
+    async def setup(self) -> None:
+        """Start the capture endpoint."""
+        await super().setup()
+        c = self.config
+        self.capture = CaptureServer(
+            self._sample, self.tokenizer, self.model_name, self.max_model_len, self.records, self.chat_template,
+            self.chat_template_kwargs, host=c.harness_host, port=c.harness_port,
+            max_request_bytes=c.harness_max_request_bytes)
+        await self.capture.start()
+
+    async def close(self) -> None:
+        """Stop the capture endpoint."""
+        if self.capture is not None:
+            await self.capture.stop()
+        await super().close()
+
+    async def _sample(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]) -> TurnRecord:
+        """One request's turn: the trainer's sampling settings, at most the request's ``max_tokens``
+        (and what fits the server's ``max_model_len``)."""
+        limit = min(self.params.max_tokens, max_tokens or self.params.max_tokens, self.max_model_len - len(prompt_ids))
+        return await self.generate_one_turn(prompt_ids, dataclasses.replace(self.params, max_tokens=limit))
+
+    async def run_rollout(self, row: dict[str, Any], prompt: list[dict[str, Any]], tools: list[Tool], env: Any,
+                          group_id: int = 0) -> Rollout:
+        """Run the agent on its own endpoint session; its turns become the rollout.
+
+        Raises:
+            RolloutFailed: The agent raised, exited non-zero, was cut at ``agent_timeout`` or made
+                no request: only this rollout fails.
+        """
+        assert self.capture is not None, "setup() starts the endpoint"
+        c = self.config
+        # The session samples in this rollout's context: its group's policy version (LoRA adapter).
+        session = self.capture.open(contextvars.copy_context(), c.agent_max_requests, c.agent_parallel_requests)
+        task = AgentTask(row=row, prompt=prompt, tools=[t.schema for t in tools], env=env, base_url=session.base_url,
+                         api_key=session.secret, model=self.model_name, timeout_s=c.agent_timeout, env_tools=tools,
+                         executor=self.executor)
+        try:
+            outcome = await run_agent(self.agent, task, cancel=session.failed)
+        finally:
+            self.capture.close(session)
+        self.records.add("agent/duration_s", outcome.wall_s)
+        self.records.add("agent/requests_mean", session.requests)
+        self.records.add("agent/timeout_count", int(outcome.timed_out))
+        self.records.add("agent/failed_count", int(outcome.error is not None and not outcome.timed_out))
+        if session.saw_tools:  # as the built-in loop: tool metrics only for rollouts shown tools
+            self.records.add("tools/call_frequency", session.tool_calls)
+            self.records.add("tools/loop_exhausted_frac", float(session.exhausted))
+            self.records.add_rate("tools/failure_frequency", 0, 0)
+        if session.fatal is not None:
+            raise session.fatal
+        if outcome.error is not None:
+            raise RolloutFailed(f"the agent failed: {outcome.error}")
+        if not session.turns:
+            raise RolloutFailed("the agent made no request to its endpoint: nothing to train")
+        return Rollout(completion=captured_completion(session),
+                       completion_ids=[t for turn in session.turns for t in turn.output_ids], turns=list(session.turns),
+                       tool_call_count=session.tool_calls, tool_failure_count=session.tool_failures,
+                       reward=outcome.reward)
