@@ -14,6 +14,7 @@ Data flow: dataset -> rollout worker -> vLLM / env server -> queue -> packer -> 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -27,7 +28,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     Trainer,
@@ -35,13 +35,17 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from trainer.checkpoint import ROLLOUT_STATE, StagedCheckpoints
+from trainer.compat import check_construction, check_output_head
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
+from trainer.rollout.concurrency import StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_server_info
+from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
@@ -62,7 +66,7 @@ from trainer.sync.weight_sync import (
     checkpoint_manifest,
     merged_lora_weights,
 )
-from trainer.training.batching import MicroBatch, MicroBatchStream
+from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.training.loss import (
     LossConfig,
@@ -71,13 +75,12 @@ from trainer.training.loss import (
     reduce_loss_stats,
 )
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
+from trainer.training.model_loading import freeze_outside_language_model, load_model, served_weights
 from trainer.training.tree_attention import enable_tree_attention
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
 logger = logging.getLogger(__name__)
-ROLLOUT_STATE = "rollout_state.json"
-RANK0_WAIT_LOG_S = 30.0
 
 
 def _check_picklable(**objects: Any) -> None:
@@ -110,6 +113,7 @@ def _validate_dataset(dataset: Any, has_env: bool) -> None:
     if not ok:
         raise ConfigError("train_dataset's 'prompt' must be conversational: a list of {'role': ..., 'content': ...} "
                           f"messages, e.g. [{{'role': 'user', 'content': 'What is 2+2?'}}]; got {first!r:.200}")
+    refuse_image_parts(first)  # the first prompt here; every prompt again where the worker renders it
 
 
 # Dense peak FLOP/s per device at bf16 (fp32 is not tabulated: MFU is then not logged).
@@ -157,8 +161,11 @@ class AsyncGRPOTrainer(Trainer):
     """Asynchronous GRPO trainer (see the module docstring).
 
     Args:
-        model: A model id or directory (loaded with ``AutoModelForCausalLM`` in ``args.dtype``), or
-            a ``PreTrainedModel``. Its attention is switched to tree attention for packed training.
+        model: A model id or directory (loaded in ``args.dtype`` with ``AutoModelForCausalLM``, or
+            ``AutoModelForImageTextToText`` for a vision-language config), or a ``PreTrainedModel``.
+            Its attention is switched to tree attention (and Gated DeltaNet layers to their tree path)
+            for packed training; of a vision-language model only the language model trains, on text
+            (see :mod:`trainer.training.model_loading`).
         reward_funcs: A reward function or a list of them (sync or async, picklable); optional when
             environments score through ``get_reward``.
         args: The config; defaults to ``AsyncGRPOConfig(output_dir="<model>-AsyncGRPO")``.
@@ -177,6 +184,7 @@ class AsyncGRPOTrainer(Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    _checkpoints: StagedCheckpoints | None = None  # made at the first save
     prompt_column_required: bool = True  # without an environment, the dataset must have a "prompt" column
 
     def __init__(
@@ -203,10 +211,13 @@ class AsyncGRPOTrainer(Trainer):
             raise ConfigError("without a train_dataset the environment owns the data, so the run has no epochs: "
                               "set max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
         _validate_dataset(train_dataset, environment_factory is not None or not self.prompt_column_required)
+        check_construction(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, peft_config=peft_config,
+                           environment_factory=environment_factory)
         init_kwargs = dict(args.model_init_kwargs or {})
         if isinstance(model, str):
             init_kwargs.setdefault("dtype", getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
-            model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
+            model = load_model(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
+        self._frozen_weights = freeze_outside_language_model(model)  # vision tower: not trained, not synced
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 model_id, trust_remote_code=args.trust_remote_code, revision=init_kwargs.get("revision"))
@@ -221,6 +232,7 @@ class AsyncGRPOTrainer(Trainer):
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        check_output_head(model)
         self._aux_coef = resolve_aux_loss_coef(model, args.router_aux_loss_coef)
         self._router = RouterLogits(model) if self._aux_coef > 0 else None
         enable_tree_attention(model)
@@ -232,7 +244,10 @@ class AsyncGRPOTrainer(Trainer):
         self.rollout_dataset = train_dataset
         self._explicit_max_steps = args.max_steps > 0
         if not self._explicit_max_steps:
-            args.max_steps = 10**9  # a safety cap: the epoch count stops the run
+            # The epoch count stops the run; the base Trainer needs a step limit, so this trainer's own
+            # copy of the config gets a safety cap (the caller's config stays as given, reusable).
+            args = copy.copy(args)
+            args.max_steps = 10**9
         self.metrics = MetricWindow()
         self.worker: RolloutWorker | None = None
         self.stream: MicroBatchStream | None = None  # type: ignore[assignment]
@@ -240,6 +255,7 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
+        self._allowance: StalenessAllowance | None = None  # rank 0: the worker's staleness allowance
         self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
         self._step_fwd_bwd_s = 0.0
@@ -316,6 +332,7 @@ class AsyncGRPOTrainer(Trainer):
         args = self.args
         world = self.accelerator.num_processes
         start = int(self._resume_state.get("first_untrained_position", 0))
+        done = [int(p) for p in self._resume_state.get("done_positions", [])]  # trained past `start`
         version = int(self._resume_state.get("policy_version", 0))
         self._policy_version = version
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
@@ -333,11 +350,13 @@ class AsyncGRPOTrainer(Trainer):
         if mismatch:
             logger.warning(mismatch)
         ctx = spawn_context()
-        allowance = max(args.max_staleness, 1) * token_budget * world * args.gradient_accumulation_steps
-        channels = WorkerChannels.create(ctx, initial_allowance=allowance, initial_version=version)
+        self._allowance = StalenessAllowance(args.staleness_allowance, args.max_staleness,
+                                             token_budget * world * args.gradient_accumulation_steps)
+        channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version)
         self._adapter_sync = self._make_adapter_sync(admin)
         if self._adapter_sync is None:
-            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest())
+            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest(),
+                                              pause_mode=args.weight_sync_pause)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if version > 0 or self._adapter_sync is not None:
             self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
@@ -346,7 +365,7 @@ class AsyncGRPOTrainer(Trainer):
         loop_kwargs = dict(
             config=args, model_name=self.model_id, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
             processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
-            environment_factory=self.environment_factory, dataset_start_index=start,
+            environment_factory=self.environment_factory, dataset_start_index=start, dataset_skip_positions=done,
             max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
             lora_name=self._adapter_sync.lora_name if self._adapter_sync is not None else None,
             served_model=server.model, candidates=candidates,
@@ -358,7 +377,8 @@ class AsyncGRPOTrainer(Trainer):
         if not self._explicit_max_steps and self.rollout_dataset is not None:
             stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
-                                       start_position=start, stop_position=stop, keep_samples=args.log_completions)
+                                       start_position=start, stop_position=stop, keep_samples=args.log_completions,
+                                       done_positions=done)
         self.stream.policy_version = version
         if self.feed is not None:
             self.feed.mark_ready()
@@ -400,7 +420,8 @@ class AsyncGRPOTrainer(Trainer):
         return LoRAAdapterSync(admin, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self.args.max_staleness + 1)
 
     def _manifest(self) -> dict[str, tuple[int, ...]]:
-        return checkpoint_manifest(self.model_id) if Path(self.model_id).is_dir() else {}
+        manifest = checkpoint_manifest(self.model_id) if Path(self.model_id).is_dir() else {}
+        return {name: shape for name, shape in manifest.items() if name not in self._frozen_weights}
 
     # ------------------------------------------------------------------------------ the step
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[MicroBatch], None]:
@@ -485,15 +506,15 @@ class AsyncGRPOTrainer(Trainer):
         """The weights the server serves, by checkpoint name (LoRA merged into the base weights)."""
         model = self.accelerator.unwrap_model(self.model)
         if hasattr(model, "peft_config"):
-            return merged_lora_weights(model)
-        return [(n, p.detach()) for n, p in model.named_parameters()]
+            return served_weights(merged_lora_weights(model), self._frozen_weights)
+        return served_weights(((n, p.detach()) for n, p in model.named_parameters()), self._frozen_weights)
 
     def _end_of_step(self, step_s: float) -> None:
         args = self.args
         consumed, wait_s, per_step = self.stream.take_step_stats() if self.stream is not None else (0, 0.0, {})
-        # Staleness allowance for the worker: max(max_staleness, 1) steps of what this step consumed.
-        if self.worker is not None and consumed > 0:
-            self.worker.channels.token_allowance.value = max(args.max_staleness, 1) * consumed
+        if self.worker is not None and self._allowance is not None and consumed > 0:  # SPEC §2, docs/pipeline.md
+            self.worker.channels.token_allowance.value = self._allowance.after_step(
+                consumed, int(per_step.get(UNPACKED_PER_STEP, 0)), int(per_step.get(FORWARDED_PER_STEP, 0)))
         forwarded, trained = self._step_tokens
         self._step_tokens = (0, 0)
         self._num_tokens += forwarded
@@ -542,10 +563,17 @@ class AsyncGRPOTrainer(Trainer):
                                             sample.reward, sample.advantage))
         report_completions(records, self.state.global_step, self.callback_handler.callbacks)
 
+    def _get_output_dir(self, trial: Any) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return self._checkpoints.output_dir(run_dir) if self._checkpoints is not None else run_dir
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.stream is None or not self.is_world_process_zero():
-            return
-        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        if folder.is_dir():
-            (folder / ROLLOUT_STATE).write_text(json.dumps(self.stream.state(), indent=2))
+        """The base save plus ``rollout_state.json``, atomically (:mod:`trainer.checkpoint`): a kill or
+        a full disk mid-save leaves the earlier checkpoints as they were."""
+        if self._checkpoints is None:
+            self._checkpoints = StagedCheckpoints(self.accelerator.wait_for_everyone, self.is_world_process_zero())
+        run_dir = super()._get_output_dir(trial)
+        rollout_state = self.stream.state() if self.stream is not None and self.is_world_process_zero() else None
+        with self._checkpoints.saving(run_dir, self.state.global_step, rollout_state, self.args.save_total_limit,
+                                      self.state.best_model_checkpoint):
+            super()._save_checkpoint(model, trial)

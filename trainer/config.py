@@ -11,6 +11,7 @@ steps per epoch is not known in advance: multi-turn forks change it), ``ignore_d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,11 @@ import torch
 from transformers import TrainingArguments
 
 from trainer.exceptions import ConfigError
+
+
+# The source's activation_checkpointing / activation_checkpointing_kwargs fields are TrainingArguments'
+# from transformers 5.23 on (inherited here); before, gradient_checkpointing* are the same settings.
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 def _bf16_supported() -> bool:
@@ -32,9 +38,14 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # --- TrainingArguments defaults changed for this trainer -----------------------------------
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
-    gradient_checkpointing: bool = field(
-        default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
-    )
+    if _HAS_ACTIVATION_CHECKPOINTING:  # transformers >= 5.23: gradient_checkpointing* are deprecated aliases
+        activation_checkpointing: bool | None = field(
+            default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
+        )
+    else:
+        gradient_checkpointing: bool = field(
+            default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
+        )
     bf16: bool | None = field(
         default=None,
         metadata={"help": "bfloat16 mixed precision. None: True unless fp16 is set (and the device has bf16)."},
@@ -144,8 +155,29 @@ class AsyncGRPOConfig(TrainingArguments):
                   "stays within max(max_staleness, 1) steps' worth of tokens ahead of training."},
     )
     weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
+    staleness_allowance: str = field(
+        default="capacity",
+        metadata={"help": "How far generation may run ahead of training (docs/pipeline.md). 'capacity': "
+                  "max(max_staleness - 1, 1) full steps' worth of sample tokens (a step's forwarded-token "
+                  "capacity x the packing ratio of the last steps), a step of headroom below the drop limit; "
+                  "'source': the source's rule, max(max_staleness, 1) x the tokens the last step consumed."},
+    )
+    weight_sync_pause: str = field(
+        default="keep",
+        metadata={"help": "How the server pauses for a weight sync (docs/pipeline.md). 'keep': running requests "
+                  "keep their KV cache and go on with the new weights after the sync; 'reset': the source's "
+                  "pause, which clears the KV cache and so preempts every running request (each recomputes "
+                  "its prefix with the new weights after the sync)."},
+    )
     rollout_worker_timeout: float = field(
         default=300.0, metadata={"help": "Seconds without a worker heartbeat before it is declared hung."}
+    )
+    reward_timeout: float | None = field(
+        default=300.0,
+        metadata={"help": "Seconds one reward function may take on one group (sync ones run in threads, "
+                  "math-verify's parsing included). Past it the group is not scored by that function "
+                  "(rewards/<name>/timeout_count); three timed-out groups in a row stop the run "
+                  "(RewardTimeoutError). None: no limit."},
     )
 
     # --- logging -------------------------------------------------------------------------------
@@ -172,6 +204,10 @@ class AsyncGRPOConfig(TrainingArguments):
     def _validate(self) -> None:
         if self.remove_unused_columns:
             raise ConfigError("remove_unused_columns must stay False: every column reaches the reward functions")
+        if not self.ignore_data_skip:
+            raise ConfigError("ignore_data_skip must stay True: a resumed run restarts the rollout worker at the first "
+                              "untrained prompt instead of replaying the data (the base Trainer's skip-and-replay "
+                              "does not apply to the rollout queue)")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations={self.num_generations}: a group needs at least 2 rollouts "
                               "for a group-relative advantage; set num_generations >= 2")
@@ -195,6 +231,11 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
+        for name, allowed in (("staleness_allowance", ("capacity", "source")), ("weight_sync_pause", ("keep", "reset"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.reward_timeout is not None and self.reward_timeout <= 0:
+            raise ConfigError(f"reward_timeout={self.reward_timeout} must be > 0 (or None for no limit)")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ConfigError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 "
                               "(or None to show every completion)")
@@ -202,8 +243,3 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ConfigError(f"token_budget={self.token_budget} must be >= 1 (or None for the server's max_model_len)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype={self.dtype!r} must be one of 'auto', 'bfloat16', 'float16', 'float32'")
-
-    @property
-    def resolved_epsilon_high(self) -> float:
-        """``epsilon_high``, defaulting to ``epsilon``."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high

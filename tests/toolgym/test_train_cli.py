@@ -49,8 +49,8 @@ def test_boolean_flag_without_value_and_default_output_dir(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"model": "m", "learnig_rate": 1e-5}, r"unknown field 'learnig_rate' \(did you mean learning_rate"),
-    ({"model": "m", "num_generation": 4}, r"unknown field 'num_generation' \(did you mean num_generations"),
+    ({"model": "m", "learnig_rate": 1e-5}, r"unknown field 'learnig_rate' in .*run.yaml; did you mean 'learning_rate'"),
+    ({"model": "m", "num_generation": 4}, r"unknown field 'num_generation' in .*run.yaml; did you mean 'num_generations'"),
     ({"learning_rate": 1e-5}, r"model is required"),
 ])
 def test_a_wrong_field_in_the_file_is_refused_with_a_clear_message(
@@ -66,14 +66,43 @@ def test_a_wrong_field_in_the_file_is_refused_with_a_clear_message(
 
 
 def test_a_wrong_flag_or_a_missing_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown field --max_step \(did you mean max_steps"):
+    with pytest.raises(ConfigError, match=r"unknown argument '--max_step'; did you mean 'max_steps'"):
         parse_args(["--model", "m", "--max_step", "3"])
-    with pytest.raises(ConfigError, match=r"--max_steps needs a value"):
+    with pytest.raises(ConfigError, match=r"argument --max_steps.*expected one argument"):
         parse_args(["--model", "m", "--max_steps"])
+    with pytest.raises(ConfigError, match=r"argument --learning_rate.*invalid float value: 'fast'"):
+        parse_args(["--model", "m", "--learning_rate", "fast"])
     with pytest.raises(ConfigError, match=r"config file .*missing.yaml does not exist"):
         parse_args([str(tmp_path / "missing.yaml")])
     with pytest.raises(ConfigError, match=r"must hold a mapping"):
         parse_args([str(_write_yaml(tmp_path / "list.yaml", ["model", "m"]))])  # type: ignore[arg-type]
+
+
+def test_the_readme_flags_parse_to_their_field_types() -> None:
+    # A boolean flag alone must not swallow the next flag, and "2e-4" is a float (YAML would keep a string).
+    run, config = parse_args(["--model", "m", "--reward_funcs", "trainer.rewards:accuracy_reward",
+                              "--learning_rate", "2e-4", "--use_cpu", "--report_to", "tensorboard",
+                              "--max-completion-length", "24", "--mask_truncated_completions"])
+
+    assert config.learning_rate == 2e-4 and isinstance(config.learning_rate, float)
+    assert config.use_cpu is True and config.report_to == ["tensorboard"]
+    assert config.max_completion_length == 24 and config.mask_truncated_completions is True  # dashes accepted
+    assert run.reward_funcs == ["trainer.rewards:accuracy_reward"]
+
+
+def test_help_shows_every_fields_declared_help(capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    from trainer.config import AsyncGRPOConfig
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(AsyncGRPOConfig):
+        if f.init and f.metadata.get("help"):
+            assert f"--{f.name}" in shown
+            assert " ".join(f.metadata["help"].split())[:40].replace("%%", "%") in shown, f.name
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (16, 8)])

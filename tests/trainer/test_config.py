@@ -86,11 +86,6 @@ def test_json_string_kwargs_are_parsed(make_config):
     assert config.model_init_kwargs == {"revision": "v1"}
 
 
-@pytest.mark.parametrize(("kwargs", "expected"), [({}, 0.2), ({"epsilon": 0.1}, 0.1), ({"epsilon_high": 0.28}, 0.28)])
-def test_resolved_epsilon_high(make_config, kwargs, expected):
-    assert make_config(**kwargs).resolved_epsilon_high == expected
-
-
 INVALID = [
     ({"remove_unused_columns": True}, r"remove_unused_columns must stay False"),
     ({"num_generations": 1}, r"num_generations=1"),
@@ -143,3 +138,17 @@ def test_valid_edge_values(make_config, kwargs):
     config = make_config(**kwargs)
     for name, value in kwargs.items():
         assert getattr(config, name) == value
+
+
+def test_a_trainer_leaves_the_callers_config_as_given(tmp_path, tiny_model_dir):
+    # The epoch stop needs a step cap inside the trainer; reusing the same config must still stop by epochs.
+    from datasets import Dataset
+
+    from trainer import AsyncGRPOTrainer
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=2)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
+    first = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=len, train_dataset=dataset, args=config)
+    assert config.max_steps == -1 and first.args.max_steps > 0
+    second = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=len, train_dataset=dataset, args=config)
+    assert second._explicit_max_steps is False

@@ -18,9 +18,9 @@ the list of close names. It can start the vLLM server (``--launch_vllm``) and th
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
-import difflib
 import os
 import subprocess
 import sys
@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import HfArgumentParser
 
+from sdk.loading import did_you_mean
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 
@@ -49,8 +51,12 @@ class RunArguments:
                   "'module:function' returning a datasets.Dataset. Omit when the environment owns the data."},
     )
     reward_funcs: list[str] = field(
-        default_factory=list, metadata={"help": "Reward functions as 'module:function' (repeatable)."})
-    tools: list[str] = field(default_factory=list, metadata={"help": "Tool functions as 'module:function'."})
+        default_factory=list,
+        metadata={"help": "Reward functions as 'module:function' (several after one flag, or the flag repeated).",
+                  "action": "extend"})
+    tools: list[str] = field(
+        default_factory=list, metadata={"help": "Tool functions as 'module:function' (like reward_funcs).",
+                                        "action": "extend"})
     environment: str | None = field(
         default=None,
         metadata={"help": "Environment: 'module:Class' (or a bundled name like 'counter'), or an env server URL "
@@ -63,70 +69,59 @@ class RunArguments:
     plots: bool = field(default=True, metadata={"help": "Write PNG plots to <output_dir>/plots at the end."})
 
 
-def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
-    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+def build_parser() -> HfArgumentParser:
+    """The ``toolgym train`` parser, generated from the fields of :class:`RunArguments` and ``AsyncGRPOConfig``.
+
+    Each flag's help is its field's ``metadata["help"]`` (written once, where the field is declared).
+    Flags take underscores (``--learning_rate``) and accept dashes (``--learning-rate``); a boolean
+    flag alone means true (``--use_cpu``), or takes ``true``/``false``.
+    """
+    return HfArgumentParser(
+        (RunArguments, AsyncGRPOConfig), prog="toolgym train", allow_abbrev=False, exit_on_error=False,
+        usage="toolgym train [CONFIG.yaml] [--field value ...]",
+        description="Asynchronous GRPO training from a YAML file and/or flags (flags override the file).",
+    )
 
 
-def _suggest(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=3)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
-
-
-def _coerce(f: dataclasses.Field[Any], raw: str) -> Any:
-    """A command-line string as the field's type (YAML rules: numbers, booleans, lists, null)."""
-    value = yaml.safe_load(raw)
-    if f.type in ("str", "str | None") and value is not None and not isinstance(value, str):
-        value = raw
-    return value
+def _known_fields(parser: HfArgumentParser) -> list[str]:
+    return sorted(f.name for cls in parser.dataclass_types for f in dataclasses.fields(cls) if f.init)
 
 
 def parse_args(argv: list[str]) -> tuple[RunArguments, AsyncGRPOConfig]:
-    """YAML file (optional first argument) + ``--field value`` flags -> (run args, config)."""
-    values: dict[str, Any] = {}
+    """YAML file (optional first argument) + ``--field value`` flags -> (run args, config).
+
+    Raises:
+        ConfigError: a missing file, an unknown field (with close names), no model, or a config that
+            ``AsyncGRPOConfig`` refuses.
+    """
+    parser = build_parser()
+    known = _known_fields(parser)
     rest = list(argv)
-    if rest and not rest[0].startswith("--"):
+    if rest and not rest[0].startswith("-"):
         path = Path(rest.pop(0))
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of field: value")
-        values.update(loaded)
-    run_fields, config_fields = _fields(RunArguments), _fields(AsyncGRPOConfig)
-    known = sorted(set(run_fields) | set(config_fields))
-    i = 0
-    while i < len(rest):
-        flag = rest[i]
-        if not flag.startswith("--"):
-            raise ConfigError(f"expected a --flag, got {flag!r}")
-        name = flag[2:].replace("-", "_")
-        f = run_fields.get(name) or config_fields.get(name)
-        if f is None:
-            raise ConfigError(f"unknown field {flag}{_suggest(name, known)}")
-        if f.type in ("bool", "bool | None") and (i + 1 == len(rest) or rest[i + 1].startswith("--")):
-            values[name] = True
-            i += 1
-            continue
-        if i + 1 == len(rest):
-            raise ConfigError(f"{flag} needs a value")
-        raw = rest[i + 1]
-        if name in ("reward_funcs", "tools"):
-            values.setdefault(name, []).append(raw)
-        else:
-            values[name] = _coerce(f, raw)
-        i += 2
-    unknown = [k for k in values if k not in run_fields and k not in config_fields]
-    if unknown:
-        raise ConfigError(f"unknown field {unknown[0]!r}{_suggest(unknown[0], known)}")
-    run = RunArguments(**{k: v for k, v in values.items() if k in run_fields})
-    if not run.model:
-        raise ConfigError("model is required (--model DIR)")
-    config_values = {k: v for k, v in values.items() if k in config_fields}
-    config_values.setdefault("output_dir", f"{Path(run.model).name}-AsyncGRPO")
+        for key in loaded:
+            if key not in known:
+                raise ConfigError(f"unknown field {key!r} in {path}{did_you_mean(key, known)}")
+        # String defaults go through each flag's type like a command-line value; lists/bools as they are.
+        parser.set_defaults(**{k: str(v) if isinstance(v, float) else v for k, v in loaded.items()})
     try:
-        config = AsyncGRPOConfig(**config_values)
-    except TypeError as exc:
-        raise ConfigError(f"invalid config: {exc}") from exc
+        namespace, unknown = parser.parse_known_args(rest)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(str(exc)) from None
+    if unknown:
+        name = unknown[0].lstrip("-").replace("-", "_").partition("=")[0]
+        raise ConfigError(f"unknown argument {unknown[0]!r}{did_you_mean(name, known)}")
+    values = vars(namespace)
+    if not values.get("model"):
+        raise ConfigError("model is required (--model DIR)")
+    if values.get("output_dir") is None:
+        values["output_dir"] = f"{Path(values['model']).name}-AsyncGRPO"
+    run, config = parser.parse_dict(values)
     return run, config
 
 
@@ -198,14 +193,9 @@ def trainer_threads_beside_vllm(cpu_count: int) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``toolgym train``; returns the exit status (2 for a bad config)."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("run fields: " + ", ".join(_fields(RunArguments)))
-        print("config fields: every AsyncGRPOConfig field, e.g. --max_steps, --learning_rate, --num_generations")
-        return 0
     try:
         run, config = parse_args(argv)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"toolgym train: {exc}", file=sys.stderr)
         return 2
     import torch

@@ -1,5 +1,5 @@
 """Held-out evaluation through the same machinery as training: the vLLM server, the rollout loop's
-multi-turn ``generate_one`` and the environment (local or on an env server).
+multi-turn rollouts (:meth:`AsyncRolloutLoop.evaluate`) and the environment (local or on an env server).
 
     result = evaluate_policy(base_url, model_dir, remote_factory(url, "IncrementEnv"),
                              rows=[{"target": t} for t in range(1, 7)], samples_per_row=8)
@@ -17,7 +17,6 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from trainer.config import AsyncGRPOConfig
-from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.worker import WorkerChannels
 
@@ -61,19 +60,7 @@ def evaluate_policy(
                             processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
                             environment_factory=environment_factory)
 
-    async def run() -> list[tuple[Any, Any, Any]]:
-        limits = await loop.sampler.limits()
-        loop.max_model_len = limits.max_model_len
-        loop.cap = AdaptiveCap(concurrency, None, limits.max_model_len)
-        try:
-            jobs = [loop._one_rollout(row, i) for i, row in enumerate(rows) for _ in range(samples_per_row)]
-            return list(await asyncio.gather(*jobs))
-        finally:
-            await loop.sampler.close()
-            await loop.envs.aclose()
-            loop.executor.shutdown(wait=False)
-
-    results = asyncio.run(run())
+    results = asyncio.run(loop.evaluate(rows, samples_per_row, concurrency))
     rewards = [e[1] if e is not None else 0.0 for _, _, e in results]
     calls = sum(r.tool_call_count for _, r, _ in results)
     failures = sum(r.tool_failure_count for _, r, _ in results)

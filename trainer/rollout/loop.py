@@ -311,6 +311,29 @@ class AsyncRolloutLoop:
         return Rollout(completion=completion, completion_ids=completion_ids, turns=turns,
                        tool_call_count=calls, tool_failure_count=failures)
 
+    async def evaluate(self, rows: list[dict[str, Any]], samples_per_row: int,
+                       concurrency: int) -> list[tuple[list[dict[str, Any]], Rollout, Any]]:
+        """Rollouts outside training (held-out evaluation): nothing is scored, queued or trained.
+
+        Runs ``samples_per_row`` rollouts of each row with at most ``concurrency`` in flight, each as a
+        training rollout would run (environment, tools, turn loop), then releases the loop's sampler
+        client, environments and thread pool: the loop is spent afterwards.
+
+        Returns:
+            Per rollout: its prompt, the :class:`Rollout`, and the environment's ``(source, reward)``
+            (``None`` without an environment or a ``get_reward``).
+        """
+        limits = await self.sampler.limits()
+        self.max_model_len = limits.max_model_len
+        self.cap = AdaptiveCap(concurrency, None, limits.max_model_len)
+        try:
+            jobs = [self._one_rollout(row, i) for i, row in enumerate(rows) for _ in range(samples_per_row)]
+            return list(await asyncio.gather(*jobs))
+        finally:
+            await self.sampler.close()
+            await self.envs.aclose()
+            self.executor.shutdown(wait=False)
+
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards normalised within the group (NaN rewards get 0)."""
         assert group.rewards is not None
