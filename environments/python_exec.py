@@ -3,16 +3,20 @@
 With a dataset, the row's ``tests`` column (a list of ``assert`` statements, or one string of
 them, one per line) arrives in ``reset``; without one the environment picks a built-in task. The
 code graded is the last code that ``run_code`` ran without error, so the model can experiment and
-then run its final solution. Each run is a fresh interpreter (``environments.sandbox``).
+then run its final solution. Each run is a fresh interpreter in an OS sandbox
+(``environments.sandbox``); importing this module checks that the sandbox works here, or that
+``TOOLGYM_SANDBOX=weak`` was chosen (which logs a warning), and raises
+``IsolationUnavailableError`` otherwise. The reward comes from ``score_tests``: the tests run
+outside the solution's process, so it cannot redefine what they call or print a score, and a
+crash or early exit scores 0.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 
-from environments.sandbox import Limits, RunResult, run_python
+from environments.sandbox import Limits, RunResult, isolation, run_python, score_tests
 from sdk.environment import Environment
 
 TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -26,15 +30,7 @@ TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Write a function digit_sum(n) that returns the sum of the decimal digits of a non-negative integer.",
      ("assert digit_sum(0) == 0", "assert digit_sum(1234) == 10", "assert digit_sum(99999) == 45")),
 )
-_MARK = "__toolgym_tests__"
-
-
-def _harness(tests: list[str]) -> str:
-    """Code appended to the solution: runs each test alone and prints how many passed."""
-    return (f"\n\n_toolgym_passed = 0\nfor _toolgym_test in {json.dumps(tests)}:\n"
-            "    try:\n        exec(_toolgym_test, globals())\n        _toolgym_passed += 1\n"
-            "    except Exception:\n        pass\n"
-            f"print('{_MARK}', _toolgym_passed)\n")
+ISOLATION = isolation()  # at import, so that `toolgym serve python` refuses to start without a sandbox
 
 
 def _describe(result: RunResult, limits: Limits) -> str:
@@ -96,11 +92,7 @@ class PythonExecEnv(Environment):
         return _describe(result, self.limits)
 
     def get_reward(self) -> float:
-        """The fraction of the tests that the last successful code passes (0.0 without one)."""
-        if self.solution is None or not self.tests:
+        """The fraction of the tests that the last successful code passes (0.0 without one, or if it crashes)."""
+        if self.solution is None:
             return 0.0
-        result = run_python(self.solution + _harness(self.tests), self.limits)
-        for line in reversed(result.output.splitlines()):
-            if line.startswith(_MARK):
-                return int(line.split()[1]) / len(self.tests)
-        return 0.0
+        return score_tests(self.solution, self.tests, self.limits)

