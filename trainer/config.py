@@ -56,7 +56,7 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "Scheduler; constant because steps per epoch are unknown in advance (forks)."},
     )
     ignore_data_skip: bool = field(
-        default=True, metadata={"help": "Resume fast-forwards the rollout worker instead of replaying data."}
+        default=True, metadata={"help": "Must stay True: resume fast-forwards the rollout worker instead of replaying data."}
     )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Must stay False: every dataset column reaches the reward functions."}

@@ -1,0 +1,99 @@
+"""The source's compatibility refusals ("Tương thích và ràng buộc"), each a clear error at construction.
+
+:func:`check_construction` runs in ``AsyncGRPOTrainer.__init__`` before anything is loaded or spawned, so a
+combination the trainer cannot run fails at once with what to do instead, not at the first step or in the
+rollout worker. Refused here: a reward model (a model id or a ``PreTrainedModel``) as a reward function,
+``use_liger_kernel=True``, a PEFT config whose adapters target ``lm_head`` (the chunked LM head needs a
+plain ``nn.Linear``), and a dict ``environment_factory`` over a dataset whose ``environment`` column is
+missing or names an environment the dict does not have. ``remove_unused_columns`` and
+``ignore_data_skip`` are refused by :class:`~trainer.config.AsyncGRPOConfig` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from trainer.exceptions import ConfigError
+
+__all__ = ["check_construction", "check_output_head"]
+
+HEAD_NAMES = ("lm_head",)
+MAX_ROUTING_ROWS_CHECKED = 100_000  # a bigger map-style dataset's routing is checked row by row at rollout
+
+
+def _check_reward_funcs(reward_funcs: Any) -> None:
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs is not None else []
+    for i, func in enumerate(funcs):
+        if isinstance(func, str) or isinstance(func, nn.Module):
+            what = f"the model id {func!r}" if isinstance(func, str) else f"a {type(func).__name__}"
+            raise ConfigError(
+                f"reward_funcs[{i}] is {what}: reward models are not supported, reward functions must be Python "
+                "callables. Wrap the model in a module-level function (or a callable class instance) that scores "
+                "the completions and returns a list of floats")
+        if not callable(func):
+            raise ConfigError(f"reward_funcs[{i}] ({func!r:.80}) is not callable: give a function returning a "
+                              "list of floats, one per completion")
+
+
+def _names(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value] if isinstance(value, Iterable) else []
+
+
+def _check_peft_config(peft_config: Any) -> None:
+    if peft_config is None:
+        return
+    targets = _names(getattr(peft_config, "target_modules", None))
+    saved = _names(getattr(peft_config, "modules_to_save", None))
+    hit = [t for t in targets + saved if t != "all-linear" and any(h in t for h in HEAD_NAMES)]
+    if hit:
+        raise ConfigError(
+            f"peft_config targets the LM head ({hit}): PEFT adapters on lm_head are not supported (the loss runs "
+            "the head as a plain nn.Linear, chunk by chunk). Leave lm_head out of target_modules / modules_to_save "
+            "('all-linear' already does)")
+
+
+def check_output_head(model: nn.Module) -> None:
+    """Refuse a model whose output head is wrapped (a PEFT adapter on ``lm_head``, however it got there)."""
+    base = model
+    while hasattr(base, "get_base_model") and base is not base.get_base_model():
+        base = base.get_base_model()
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is not None and not isinstance(head, nn.Linear):
+        raise ConfigError(
+            f"the model's output head is a {type(head).__name__}, not a plain nn.Linear: PEFT adapters on lm_head "
+            "are not supported (the loss runs the head chunk by chunk); leave lm_head out of the adapter")
+
+
+def _check_routing(environment_factory: Any, train_dataset: Any) -> None:
+    if not isinstance(environment_factory, dict) or train_dataset is None:
+        return
+    columns = list(getattr(train_dataset, "column_names", None) or [])
+    names = sorted(environment_factory)
+    if "environment" not in columns:
+        raise ConfigError(
+            f"environment_factory is a dict ({names}), so each dataset row picks its environment in an "
+            f"'environment' column, but train_dataset has none (columns: {columns}); add one, or pass a single "
+            "factory")
+    if hasattr(train_dataset, "__len__") and len(train_dataset) <= MAX_ROUTING_ROWS_CHECKED:
+        unknown = sorted({str(v) for v in train_dataset["environment"]} - set(environment_factory))
+        if unknown:
+            raise ConfigError(f"train_dataset's 'environment' column names {unknown}, which environment_factory "
+                              f"does not have (it has {names})")
+
+
+def check_construction(*, reward_funcs: Any, args: Any, train_dataset: Any, peft_config: Any,
+                       environment_factory: Any) -> None:
+    """Raise :class:`~trainer.exceptions.ConfigError` for a combination the source refuses (module docstring)."""
+    _check_reward_funcs(reward_funcs)
+    if getattr(args, "use_liger_kernel", False):
+        raise ConfigError("use_liger_kernel=True is not supported: the loss computes its log-probs through its own "
+                          "chunked LM head; set use_liger_kernel=False")
+    _check_peft_config(peft_config)
+    _check_routing(environment_factory, train_dataset)
