@@ -35,7 +35,7 @@ from toolgym.cli.demo import (
     serve_policy,
     warm_model,
 )
-from toolgym.cli.train import serve_environment
+from toolgym.launch.envserver import EnvServerProcess
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 
 SCHEDULES = (("asynchronous", 4), ("synchronous", 0))
@@ -97,9 +97,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model_dir = warm_model(Path(args.cache), seed=0)
-    with serve_environment("environments.counter:IncrementEnv") as env_url, \
+    with EnvServerProcess(["environments.counter:IncrementEnv"]) as env_server, \
             VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024)) as server:
-        factory = remote_factory(env_url, "IncrementEnv")
+        factory = remote_factory(env_server.url, "IncrementEnv")
         serve_policy(server.base_url, model_dir)
         start = evaluate_counter(server.base_url, model_dir, factory, args.episodes_per_target)
         print(f"warm policy: held-out success {start.success_rate:.1%} ({start.episodes} episodes)", flush=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sdk import remote_factory
 from toolgym.cli.demo import counter_config, learning_run, serve_policy, warm_model
-from toolgym.cli.train import serve_environment
+from toolgym.launch.envserver import EnvServerProcess
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.reporting import ProgressCallback
 
@@ -46,9 +46,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = warm_model(Path(args.cache), seed=0)
     rows = []
-    with serve_environment("environments.counter:IncrementEnv") as env_url, \
+    with EnvServerProcess(["environments.counter:IncrementEnv"]) as env_server, \
             VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024)) as server:
-        factory = remote_factory(env_url, "IncrementEnv")
+        factory = remote_factory(env_server.url, "IncrementEnv")
         for seed in args.seeds:
             serve_policy(server.base_url, model_dir)
             overrides = {} if args.learning_rate is None else {"learning_rate": args.learning_rate}

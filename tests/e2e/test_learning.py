@@ -17,12 +17,12 @@ import pytest
 from datasets import Dataset
 
 from sdk import remote_factory
-from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from toolgym.cli.demo import counter_config, learning_run, serve_policy
-from trainer.rewards import accuracy_reward
-from toolgym.cli.train import serve_environment
-from toolgym.launch.vllm_server import VLLMServer
 from toolgym.kit.warm_start import arithmetic_prompt
+from toolgym.launch.envserver import EnvServerProcess
+from toolgym.launch.vllm_server import VLLMServer
+from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.rewards import accuracy_reward
 from trainer.sync.weight_sync import WeightSynchronizer
 
 COUNTER_STEPS = 15  # bench/e2e/learning_sweep.py --steps
@@ -33,8 +33,8 @@ MIN_GAIN = 0.10  # success-rate points: the gain the issue asks for
 @pytest.fixture(scope="module")
 def counter_env_url() -> Iterator[str]:
     """A real env server subprocess hosting the counter environment (``toolgym serve``)."""
-    with serve_environment("environments.counter:IncrementEnv") as url:
-        yield url
+    with EnvServerProcess(["environments.counter:IncrementEnv"]) as server:
+        yield server.url
 
 
 @pytest.mark.timeout(1800)  # the session's warm start (400 steps, restarts) runs in this test's setup

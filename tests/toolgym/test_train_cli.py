@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from toolgym.cli.demo import serve_policy
-from toolgym.cli.train import main, parse_args, trainer_threads_beside_vllm
+from toolgym.cli.train import main, parse_args
 from toolgym.kit.warm_start import arithmetic_prompt
+from toolgym.launch.threads import trainer_threads_beside_vllm
 from toolgym.launch.vllm_server import VLLMServer
 from trainer.exceptions import ConfigError
 from trainer.reporting import PLOTTED, write_plots

@@ -235,7 +235,8 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sdk import remote_factory
-    from toolgym.cli.train import serve_environment, trainer_threads_beside_vllm
+    from toolgym.launch.envserver import EnvServerProcess
+    from toolgym.launch.threads import trainer_threads_beside_vllm
     from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
     from trainer.reporting import PlotCallback, ProgressCallback
 
@@ -243,9 +244,10 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     model_dir = warm_model(Path(args.cache), args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    with serve_environment("environments.counter:IncrementEnv") as env_url, \
+    with EnvServerProcess(["environments.counter:IncrementEnv"]) as env_server, \
             VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024,
                                         log_path=str(Path(args.output_dir) / "vllm.log"))) as server:
+        env_url = env_server.url
         print(f"env server at {env_url}; vLLM CPU server ready at {server.base_url} in {server.ready_s:.0f} s")
         asyncio.run(_show_turn(server.base_url, AutoTokenizer.from_pretrained(model_dir)))
         factory = remote_factory(env_url, "IncrementEnv")

@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import sys
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,16 +148,6 @@ def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
     return load_target(spec)
 
 
-def trainer_threads_beside_vllm(cpu_count: int) -> int:
-    """Torch threads for a CPU trainer beside a vLLM CPU server on the same machine: half the cores.
-
-    vLLM's CPU workers keep their cores busy; a trainer with as many threads as cores fights them
-    (measured on 2 cores: a 900-token forward/backward of the tiny model took 25 s on two threads,
-    0.7 s on one).
-    """
-    return max(1, cpu_count // 2)
-
-
 def main(argv: list[str]) -> int:
     """Run ``toolgym train``; returns the exit status (2 for a bad config)."""
     try:
@@ -168,11 +155,11 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"toolgym train: {exc}", file=sys.stderr)
         return 2
-    import torch
     from transformers.trainer_callback import PrinterCallback
 
     from sdk import load_target
-    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, is_cpu_build
+    from toolgym.launch.threads import share_cores_with_local_vllm
+    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
     from trainer.async_grpo_trainer import AsyncGRPOTrainer
     from trainer.reporting import PlotCallback, ProgressCallback
 
@@ -182,10 +169,8 @@ def main(argv: list[str]) -> int:
                                                                      max_model_len=run.vllm_max_model_len)))
             config.vllm_server_base_url = server.base_url
             print(f"vLLM server ready at {server.base_url} ({server.ready_s:.0f} s)")
-        vllm_host = urllib.parse.urlsplit(config.vllm_server_base_url).hostname
-        if config.device.type == "cpu" and is_cpu_build() and vllm_host in ("127.0.0.1", "localhost", "::1"):
-            threads = trainer_threads_beside_vllm(os.cpu_count() or 1)
-            torch.set_num_threads(threads)
+        threads = share_cores_with_local_vllm(config.vllm_server_base_url, config.device.type)
+        if threads is not None:
             print(f"training on {threads} CPU thread(s): a vLLM CPU server shares this machine")
         config.disable_tqdm = True
         plots = PlotCallback()

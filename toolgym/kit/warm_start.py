@@ -30,8 +30,6 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.utils import get_json_schema
 
 from environments.counter import IncrementEnv
+from toolgym.launch.threads import torch_threads
 from trainer.exceptions import ConfigError
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.rollout.chat_template import (
@@ -176,17 +175,6 @@ class Transcript:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     success: bool
-
-
-@contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    """Run the block with ``count`` torch intra-op threads, then restore the previous setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def counter_tools() -> list[dict[str, Any]]:
@@ -444,7 +432,7 @@ def _fine_tune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trans
         trainer.add_callback(_ProgressLines())
         if restart is not None:
             trainer.add_callback(restart)
-        with _torch_threads(config.num_threads):
+        with torch_threads(config.num_threads):
             trainer.train()
     return trainer
 
@@ -551,7 +539,7 @@ def evaluate(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     results = []
-    with torch.inference_mode(), _torch_threads(config.num_threads):
+    with torch.inference_mode(), torch_threads(config.num_threads):
         for _ in range(episodes):
             if task == "counter":
                 target = rng.randint(1, config.max_target)
