@@ -101,7 +101,11 @@ class RawSocket:
         self.buffer += data
 
     def close(self) -> None:
-        """Drop the TCP connection."""
+        """Drop the TCP connection (a ``send`` blocked on another thread returns at once)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more
+            pass
         self.sock.close()
 
 
