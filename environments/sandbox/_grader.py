@@ -117,6 +117,7 @@ def main():
     answers_read, answers_write = os.pipe()
     config = json.dumps({**job["boot_config"], "fds": [requests_read, answers_write]})
     child = subprocess.Popen([sys.executable, "-I", "-c", job["boot"], config], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # nobody reads it
                              pass_fds=(requests_read, answers_write))
     os.close(requests_read)
     os.close(answers_write)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from environments.python_exec import PythonExecEnv
-from environments.sandbox import Isolation, Limits, run_python
+from environments.sandbox import Isolation, Limits, run_python, score_tests
 
 FAST = Limits(cpu_seconds=5, wall_seconds=30.0, output_bytes=1024)  # generous: CI machines are busy
 
@@ -50,3 +50,52 @@ def test_code_runs_in_a_private_directory_and_can_use_it():
     result = run_python("open('note.txt', 'w').write('hi')\nimport os\nprint(sorted(os.listdir('.')))", FAST)
     assert result.ok and "note.txt" in result.output
     assert "note.txt" not in run_python("import os\nprint(os.listdir('.'))", FAST).output
+
+
+FIB_TESTS = ["assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55", "assert fib(20) == 6765"]
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+
+
+@pytest.mark.parametrize("mode", [None, Isolation.WEAK])
+def test_correct_solutions_score_1_and_partial_ones_their_share(mode):
+    assert score_tests(FIB, FIB_TESTS, FAST, mode=mode) == 1.0
+    assert score_tests("def fib(n):\n    return n\n", FIB_TESTS, FAST, mode=mode) == 0.5  # fib(0), fib(1)
+    assert score_tests(FIB, [], FAST, mode=mode) == 0.0
+
+
+HACKS = {
+    "exec replaced": "def exec(*args, **kwargs):\n    pass\n",
+    "builtins patched": "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.AssertionError = KeyError\n",
+    "assert neutered": "AssertionError = type('Never', (BaseException,), {})\nclass Exception(BaseException): pass\n",
+    "always equal": "class Anything:\n    def __eq__(self, other):\n        return True\n"
+                    "    __hash__ = object.__hash__\ndef fib(n):\n    return Anything()\n",
+    "int that equals anything": "class Liar(int):\n    def __eq__(self, other):\n        return True\n"
+                                "def fib(n):\n    return Liar(-1)\n",  # compared as the plain -1
+    "marker printed": "print('__toolgym_tests__ 1000')\nimport os, sys\nsys.stdout.flush()\nos._exit(0)\n",
+    "early exit": "import sys\nsys.exit(0)\n",
+    "crash while graded": "def fib(n):\n    import os\n    os._exit(0)\n",
+    "result fd guessed": "import os\nfor fd in range(3, 256):\n    try:\n"
+                         "        os.write(fd, b'{\"passed\": 1000, \"crashed\": false}')\n    except OSError:\n"
+                         "        pass\ndef fib(n):\n    return -1\n",
+    "grader's fds via /proc": "import os\nfor pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
+                              "        for fd in range(3, 32):\n            try:\n"
+                              "                with open(f'/proc/{pid}/fd/{fd}', 'w') as f:\n"
+                              "                    f.write('{\"passed\": 1000, \"crashed\": false}')\n"
+                              "            except OSError:\n                pass\ndef fib(n):\n    return -1\n",
+    "grader killed": "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+                     "    except OSError:\n        pass\ndef fib(n):\n    return -1\n",
+}
+
+
+@pytest.mark.parametrize("hack", sorted(HACKS))
+def test_reward_hacks_score_0(hack):
+    assert score_tests(HACKS[hack], FIB_TESTS, FAST) == 0.0
+
+
+def test_a_hack_through_the_environment_scores_0_and_a_solution_1():
+    env = PythonExecEnv(limits=FAST)
+    env.reset(tests=FIB_TESTS)
+    assert env.run_code(HACKS["marker printed"]) == "__toolgym_tests__ 1000\n"  # it ran "without error"
+    assert env.get_reward() == 0.0
+    env.run_code(FIB)
+    assert env.get_reward() == 1.0
