@@ -163,6 +163,9 @@ class TrainingSample:
         reward: The rollout's total reward (for ``reward_trained``).
         queued_at: ``time.time()`` when the sample entered the queue.
         rollout_id: The rollout the sample came from.
+        reward_group_std: Standard deviation of its group's summed rewards (what the advantages are
+            divided by), logged as ``reward_group_std`` when the sample trains.
+        reward_func_group_stds: The same per reward source (``rewards/{name}/group_std``).
     """
 
     sequence: TrainingSequence
@@ -173,6 +176,8 @@ class TrainingSample:
     reward: float = 0.0
     queued_at: float = 0.0
     rollout_id: str = ""
+    reward_group_std: float = 0.0
+    reward_func_group_stds: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -191,6 +196,9 @@ class QueuedGroup:
             scorable, filtered or failed). A dropped group still counts toward the epoch.
         tokens: Forwarded tokens of the samples (before sharing).
         policy_version: Policy version when the group started.
+        records: The metric records the worker logged since the previous group went out (its own
+            reward metrics included). They travel with it through the one queue, so the step that
+            receives the group logs them, however the processes are scheduled.
     """
 
     position: int
@@ -198,6 +206,7 @@ class QueuedGroup:
     samples: list[TrainingSample] = field(default_factory=list)
     tokens: int = 0
     policy_version: int = 0
+    records: list[Any] = field(default_factory=list)
 
 
 class GroupSource(Protocol):
@@ -208,6 +217,9 @@ class GroupSource(Protocol):
 
     def qsize(self) -> int:
         """Groups waiting (approximate)."""
+
+    def queued_samples(self) -> int:
+        """Training samples put on the queue since the start (the worker's running count)."""
 
     def add_consumed_tokens(self, tokens: int) -> None:
         """Count ``tokens`` forwarded tokens as taken off the queue (the staleness allowance)."""

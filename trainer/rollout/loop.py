@@ -52,7 +52,7 @@ from trainer.rollout.scoring import (
     reward_func_name,
     sum_rewards,
 )
-from trainer.rollout.stats import record_group_metrics, record_rollout_metrics
+from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
 from trainer.rollout.tool_runner import (
     ToolRunner,
     call_maybe_async,
@@ -416,6 +416,12 @@ class AsyncRolloutLoop:
             self.records.add("rollout/concurrency", self.cap.take_mean_in_flight())
             self._send_records()
 
+    def _put_group(self, queued: QueuedGroup) -> None:
+        """Send a group to the trainer with the metric records logged since the last one (its reward
+        metrics, a curriculum's skip counts...): the step that receives it logs them."""
+        queued.records = self.records.take()
+        self.channels.rollout_buffer.put(queued)
+
     def _send_records(self) -> None:
         batch = self.records.take()
         if batch:
@@ -453,7 +459,7 @@ class AsyncRolloutLoop:
                 if size is not None and rejected_in_a_row >= size:
                     raise RolloutWorkerError("filter_prompt rejected every prompt of a whole epoch: "
                                              "no batch can ever reach the trainer")
-                self.channels.rollout_buffer.put(QueuedGroup(position, row_index))
+                self._put_group(QueuedGroup(position, row_index))
                 continue
             rejected_in_a_row = 0
             t0 = time.monotonic()
@@ -490,7 +496,7 @@ class AsyncRolloutLoop:
         ok = [r for r in results if isinstance(r, tuple)]
         if not ok:
             self.allowance.finished(0, 0)
-            self.channels.rollout_buffer.put(QueuedGroup(position, row_index, policy_version=version))
+            self._put_group(QueuedGroup(position, row_index, policy_version=version))
             return
         prompts = [p for p, _, _ in ok]
         rollouts = [r for _, r, _ in ok]
@@ -627,9 +633,8 @@ class AsyncRolloutLoop:
             self.records.add("rollout/score_s", time.monotonic() - t0)
             total_tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
             self.allowance.finished(queued.tokens, total_tokens)
-            # The group's reward metrics go out before the group: the step that trains it logs them.
-            self._send_records()
-            self.channels.rollout_buffer.put(queued)
+            self.channels.queued_samples.value += len(queued.samples)
+            self._put_group(queued)
 
     def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int,
                rollout_ids: list[str] | None = None) -> QueuedGroup:
@@ -660,6 +665,7 @@ class AsyncRolloutLoop:
             raise ValueError(f"compute_advantages returned shape {advantages.shape}, expected ({n},)")
         if dropped:
             return queued
+        std, func_stds = group_stds(sources, trained_rewards)
         now = time.time()
         for i, seqs in enumerate(group.completions_sequences):
             if self.config.mask_truncated_completions and group.truncated[i]:
@@ -669,6 +675,7 @@ class AsyncRolloutLoop:
                     sequence=seq, advantage=float(advantages[i]), group_id=group.group_id,
                     policy_version=group.model_version, row_index=group.row_index,
                     reward=float(group.rewards[i]), queued_at=now,
-                    rollout_id=rollout_ids[i] if rollout_ids else ""))
+                    rollout_id=rollout_ids[i] if rollout_ids else "", reward_group_std=std,
+                    reward_func_group_stds=func_stds))
         queued.tokens = sum(s.num_tokens for s in queued.samples)
         return queued

@@ -1,7 +1,9 @@
 """Per-rollout and per-group metrics recorded by the rollout worker (names as in the source).
 
 Recorded when the worker scores a group, not when its samples train, so they include groups that
-are later dropped (all rewards equal, or stale).
+are later dropped (all rewards equal, or stale). The group standard deviations are the exception:
+:func:`group_stds` computes them here, they travel with the group's samples and are logged as each
+sample trains (``reward_group_std``, ``rewards/{name}/group_std``: averaged over trained samples).
 """
 
 from __future__ import annotations
@@ -50,25 +52,31 @@ def duplicate_fraction(rollouts_tokens: list[tuple[int, ...]]) -> float:
     return duplicates / len(rollouts_tokens) if rollouts_tokens else 0.0
 
 
+def group_stds(sources: dict[str, list[float | None]], rewards: np.ndarray) -> tuple[float, dict[str, float]]:
+    """The group's standard deviation of the summed rewards over its scorable rollouts (the advantages'
+    divisor) and, per reward source, of the values it returned."""
+    per_source = {name: float(np.std([v for v in values if v is not None]))
+                  for name, values in sources.items() if any(v is not None for v in values)}
+    scorable = rewards[~np.isnan(rewards)]
+    return (float(scorable.std()) if scorable.size else 0.0), per_source
+
+
 def record_group_metrics(
     records: RecordBuffer, group: RolloutGroup, sources: dict[str, list[float | None]], dropped: bool
 ) -> None:
-    """``rewards/*``, ``reward``, ``reward_group_std``, ``frac_zero_std_groups``, ``completions/duplicate_frac``."""
+    """``rewards/{name}/mean``, ``reward``, ``frac_zero_std_groups``, ``reward_zero_std_groups``,
+    ``completions/duplicate_frac``."""
     assert group.rewards is not None
     rewards = group.rewards
     scorable = rewards[~np.isnan(rewards)]
     for name, values in sources.items():
-        scored = np.array([v for v in values if v is not None], dtype=np.float64)
-        for v in scored:
-            records.add(f"rewards/{name}/mean", v)
-        if not dropped and scored.size:
-            records.add(f"rewards/{name}/group_std", float(scored.std()))
+        for v in values:
+            if v is not None:
+                records.add(f"rewards/{name}/mean", v)
     for r in scorable:
         records.add("reward", float(r))
     records.add("frac_zero_std_groups", float(dropped))
     if dropped and scorable.size:
         records.add("reward_zero_std_groups", float(scorable.mean()))
-    if not dropped:
-        records.add("reward_group_std", float(scorable.std()))
     tokens = [tuple(ids) for ids in group.completions_ids]  # every turn's generated tokens
     records.add("completions/duplicate_frac", duplicate_fraction(tokens))

@@ -38,6 +38,7 @@ class WorkerChannels:
     heartbeat: Any
     failed: Any
     stop: Any
+    queued_samples: Any  # training samples the worker has put on rollout_buffer (only the worker writes it)
 
     @classmethod
     def create(cls, ctx: Any, initial_allowance: int, initial_version: int) -> WorkerChannels:
@@ -52,6 +53,7 @@ class WorkerChannels:
             heartbeat=ctx.Value("d", time.time(), lock=False),
             failed=ctx.Event(),
             stop=ctx.Event(),
+            queued_samples=ctx.Value("q", 0, lock=False),
         )
 
 
@@ -131,6 +133,10 @@ class RolloutWorker:
                 self.check()
                 if deadline is not None and time.monotonic() > deadline:
                     return None
+
+    def queued_samples(self) -> int:
+        """Training samples the worker has queued since it started (``rollout/queue_size`` counts samples)."""
+        return int(self.channels.queued_samples.value)
 
     def add_consumed_tokens(self, tokens: int) -> None:
         """Tell the worker's staleness allowance that the trainer took ``tokens`` more off the queue."""

@@ -8,8 +8,9 @@ waits when there is nothing to train on).
 
 Progress is counted in prompts: a prompt is *done* when its group was dropped by the worker or
 when its last sample was taken for training (or dropped as stale). ``first_untrained`` (the
-smallest position not done) is what a checkpoint records, and the epoch count is prompts done /
-dataset size.
+smallest position not done) is what a checkpoint records, with the positions past it that are done
+or partly trained (groups finish out of order): a resume generates neither again, so no prompt is
+trained twice and none is lost. The epoch count is prompts done / dataset size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,8 @@ from trainer.training.packing import (
 )
 
 logger = logging.getLogger(__name__)
+UNPACKED_PER_STEP = "batch/unpacked_tokens_per_step"  # sample tokens packed into the step's rows
+FORWARDED_PER_STEP = "batch/forwarded_tokens_per_step"
 
 
 @dataclass
@@ -54,8 +58,10 @@ class _Progress:
     first_untrained: int
     done: set[int] = field(default_factory=set)
     remaining: dict[int, int] = field(default_factory=dict)  # position -> samples not yet taken
+    started: set[int] = field(default_factory=set)  # positions with some samples taken, not all
 
     def finish(self, position: int) -> None:
+        self.started.discard(position)
         self.done.add(position)
         while self.first_untrained in self.done:
             self.done.remove(self.first_untrained)
@@ -72,6 +78,8 @@ class MicroBatchStream:
         max_staleness: Samples more than this many versions behind the policy are dropped.
         metrics: The trainer's metric window (stale drops, queue sizes, waits...).
         start_position: First untrained prompt position (from a checkpoint when resuming).
+        done_positions: Positions past ``start_position`` the checkpoint counts as trained (the
+            worker skips them too).
         stop_position: Prompt positions at or past this are not trained (the epoch limit); ``None``
             for no limit.
         keep_samples: Keep the trained samples until :meth:`take_trained_samples` (``log_completions``).
@@ -79,7 +87,7 @@ class MicroBatchStream:
 
     def __init__(self, worker: GroupSource, num_rows: int, token_budget: int, max_staleness: int,
                  metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None,
-                 keep_samples: bool = False) -> None:
+                 keep_samples: bool = False, done_positions: Iterable[int] = ()) -> None:
         self.worker = worker
         self.planner = RowPlanner(num_rows, token_budget)
         self.token_budget = token_budget
@@ -87,10 +95,12 @@ class MicroBatchStream:
         self.metrics = metrics
         self.policy_version = 0
         self.stop_position = stop_position
-        self.progress = _Progress(first_untrained=start_position)
+        self.progress = _Progress(first_untrained=start_position,
+                                  done={p for p in done_positions if p > start_position})
         self._buffer: collections.deque[tuple[int, TrainingSample]] = collections.deque()
         self._held_over: tuple[int, TrainingSample] | None = None
         self.tokens_consumed = 0  # forwarded tokens taken off the queue since the last reset
+        self._samples_received = 0  # samples taken off the worker's queue
         self.wait_s = 0.0
         self._step_totals: dict[str, float] = {}
         self.keep_samples = keep_samples
@@ -105,19 +115,23 @@ class MicroBatchStream:
         return self.stop_position is not None and self.progress.first_untrained >= self.stop_position
 
     def _receive(self, group: QueuedGroup) -> None:
+        self.metrics.add_records(group.records)  # logged by the step that receives the group
         self.worker.add_consumed_tokens(group.tokens)
         self.tokens_consumed += group.tokens
+        self._samples_received += len(group.samples)
         beyond = self.stop_position is not None and group.position >= self.stop_position
         if not group.samples or beyond:
             self.progress.finish(group.position)
             return
         self.progress.remaining[group.position] = len(group.samples)
+        self.metrics.add("sample/received_count", len(group.samples))
         self._buffer.extend((group.position, s) for s in group.samples)
 
     def _taken(self, position: int) -> None:
         left = self.progress.remaining[position] - 1
         if left:
             self.progress.remaining[position] = left
+            self.progress.started.add(position)
         else:
             del self.progress.remaining[position]
             self.progress.finish(position)
@@ -143,7 +157,7 @@ class MicroBatchStream:
             self._taken(position)
 
     def __next__(self) -> MicroBatch:
-        self.metrics.add("rollout/queue_size", self.worker.qsize() + len(self._buffer))
+        self.metrics.add("rollout/queue_size", self.queued_samples())
         placed = 0
         while True:
             item = self._next_sample(block=placed == 0)
@@ -167,9 +181,15 @@ class MicroBatchStream:
             self.metrics.add("sample/staleness_mean", self.policy_version - sample.policy_version)
             self.metrics.add("sample/staleness_max", self.policy_version - sample.policy_version)
             self.metrics.add("reward_trained", sample.reward)
+            self.metrics.add("reward_group_std", sample.reward_group_std)
+            for name, std in sample.reward_func_group_stds.items():
+                self.metrics.add(f"rewards/{name}/group_std", std)
             if self.keep_samples:
                 self._trained.append(sample)
         rows = self.planner.rows()
+        unpacked = sum(r.num_unpacked_tokens for r in rows)
+        # The staleness allowance's packing ratio (trainer.rollout.concurrency.StalenessAllowance).
+        self._step_totals[UNPACKED_PER_STEP] = self._step_totals.get(UNPACKED_PER_STEP, 0.0) + unpacked
         for name, value in batch_metrics(rows, self.token_budget).items():
             if name.endswith("_per_step"):  # summed over the step's micro-batches, recorded per step
                 self._step_totals[name] = self._step_totals.get(name, 0.0) + value
@@ -180,8 +200,13 @@ class MicroBatchStream:
             num_trained_global=sum(r.num_trained for r in rows),
             num_samples=placed,
             forwarded_tokens=sum(r.num_unique_tokens for r in rows),
-            unpacked_tokens=sum(r.num_unpacked_tokens for r in rows),
+            unpacked_tokens=unpacked,
         )
+
+    def queued_samples(self) -> int:
+        """Scored samples waiting to train: still on the worker's queue, or taken off it but not yet placed."""
+        on_queue = max(self.worker.queued_samples() - self._samples_received, 0)
+        return on_queue + len(self._buffer) + (self._held_over is not None)
 
     def take_step_stats(self) -> tuple[int, float, dict[str, float]]:
         """(tokens taken off the queue, seconds spent waiting, ``batch/*_per_step`` totals) since
@@ -196,5 +221,7 @@ class MicroBatchStream:
         return out
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint records about the stream."""
-        return {"first_untrained_position": self.progress.first_untrained, "policy_version": self.policy_version}
+        """What a checkpoint records about the stream (``done_positions``: past the first untrained
+        one, those done or partly trained, which a resume must not generate again)."""
+        return {"first_untrained_position": self.progress.first_untrained, "policy_version": self.policy_version,
+                "done_positions": sorted(self.progress.done | self.progress.started)}

@@ -177,7 +177,6 @@ def _stats(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> dict[str, tor
         "logp_diff_sum": log_ratio.abs().sum(),
         "logp_diff_max": log_ratio.abs().max() if r.numel() else -inf,
         "masked_tokens": (1 - m).sum(),
-        "sampler_mass_sum": (row.sampler_topk_logprobs.exp() * row.sampler_topk_valid).sum(),  # sum_t Q_H
         "entropy_sum": logps.entropy.sum(),
         "clip_low_tokens": low.sum().float(),
         "clip_high_tokens": high.sum().float(),
@@ -185,6 +184,8 @@ def _stats(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> dict[str, tor
         "clip_low_frac_min": low_frac[has_tokens].min() if has_tokens.any() else inf,
         "clip_high_frac_max": high_frac[has_tokens].max() if has_tokens.any() else -inf,
     }
+    if cfg.score_centering:  # the source logs sampler_mass only then
+        stats["sampler_mass_sum"] = (row.sampler_topk_logprobs.exp() * row.sampler_topk_valid).sum()  # sum_t Q_H
     return {k: v.detach().float() for k, v in stats.items()}
 
 
@@ -235,11 +236,10 @@ def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "sampling/sampling_logp_difference/mean": s["logp_diff_sum"] / n,
         "sampling/sampling_logp_difference/max": s["logp_diff_max"],
         "sampling/masked_mean": s["masked_tokens"] / n,
-        "sampling/sampler_mass": s["sampler_mass_sum"] / n,
         "entropy": s["entropy_sum"] / n,
         "clip_ratio/low_mean": s["clip_low_tokens"] / n,
         "clip_ratio/low_min": s["clip_low_frac_min"],
         "clip_ratio/high_mean": s["clip_high_tokens"] / n,
         "clip_ratio/high_max": s["clip_high_frac_max"],
         "clip_ratio/region_mean": s["clip_region_tokens"] / n,
-    }
+    } | ({"sampling/sampler_mass": s["sampler_mass_sum"] / n} if "sampler_mass_sum" in s else {})
