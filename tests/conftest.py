@@ -23,6 +23,27 @@ SERVER_MAX_MODEL_LEN = 1024
 torch.set_num_threads(1)
 
 
+VLLM_FIXTURES = {"vllm_server", "restore_served_weights"}
+"""Fixtures that start (or need) the shared vLLM server: a test using one is marked ``vllm``."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the vLLM server ``vllm``, so ``-m "not vllm"`` runs the fast suite."""
+    for item in items:
+        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_tests_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``vllm`` that starts a vLLM server fails, naming the missing mark."""
+    if request.node.get_closest_marker("vllm") is None:
+        def refuse(self: VLLMServer, *args: object, **kwargs: object) -> VLLMServer:
+            raise AssertionError(f"{request.node.nodeid} starts a vLLM server: mark it @pytest.mark.vllm")
+
+        monkeypatch.setattr(VLLMServer, "start", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A freshly built tiny model directory (seed 0)."""

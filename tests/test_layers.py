@@ -22,11 +22,12 @@ ALLOWED: dict[str, set[str]] = {
     "trainer.rollout": {"sdk", "trainer.shared", "trainer.rollout"},
     "trainer.training": {"sdk", "trainer.shared", "trainer.training"},
     "trainer.sync": {"trainer.shared", "trainer.sync"},
-    "trainer.async_grpo_trainer": {"sdk", "trainer.shared", "trainer.rollout", "trainer.training", "trainer.sync",
-                                   "trainer.async_grpo_trainer"},
+    "trainer.api": {"sdk", "trainer.shared", "trainer.rollout", "trainer.training", "trainer.sync", "trainer.api"},
     "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.rollout", "trainer.training",
-                "trainer.sync", "trainer.async_grpo_trainer", "toolgym"},
+                "trainer.sync", "trainer.api", "toolgym"},
 }
+API = {"async_grpo_trainer", "harness_trainer"}
+"""The trainer's top modules that tie every layer together (what ``from trainer import ...`` exports)."""
 
 
 def layer_of(module: str) -> str | None:
@@ -36,10 +37,10 @@ def layer_of(module: str) -> str | None:
         return top
     if top != "trainer":
         return None
-    if module == "trainer":  # the package's lazy facade re-exports from every layer of the trainer
-        return "trainer.async_grpo_trainer"
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("rollout", "training", "sync", "async_grpo_trainer"):
+    if module == "trainer" or parts[1] in API:  # the public trainers and the package's lazy facade
+        return "trainer.api"
+    if parts[1] in ("rollout", "training", "sync"):
         return f"trainer.{parts[1]}"
     return "trainer.shared"
 

@@ -150,6 +150,7 @@ def test_server_rejects_a_chunk_whose_metadata_lies(
     # The failed update left the engine without an active update; the fixture's full sync restores it.
 
 
+@pytest.mark.vllm
 def test_failed_start_reports_the_server_log(tmp_path: Path) -> None:
     bogus = tmp_path / "not-a-model"
     bogus.mkdir()
@@ -160,6 +161,7 @@ def test_failed_start_reports_the_server_log(tmp_path: Path) -> None:
     assert not server.alive()
 
 
+@pytest.mark.vllm
 def test_stop_leaves_no_process(tiny_model_dir: Path) -> None:
     server = VLLMServer(VLLMServerConfig(model=str(tiny_model_dir), max_model_len=256)).start()
     assert server.process is not None

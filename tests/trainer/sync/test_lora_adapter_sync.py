@@ -29,6 +29,8 @@ TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 MAX_LORAS = 3  # fits max_staleness=1 (1 + 2)
 
 
+pytestmark = pytest.mark.vllm  # every test here uses a LoRA-enabled vLLM server of its own
+
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir: Path) -> Iterator[VLLMServer]:
     """A vLLM CPU server on the tiny model with runtime LoRA loading (--max-loras 3, --max-lora-rank 8)."""
