@@ -8,8 +8,9 @@ Failure handling, in short:
 
 * A dropped connection is reconnected and the session resumed by id; the request in flight is
   resent with the same id and the server replays its reply instead of running it twice.
-* ``reset`` on a session the server no longer has (reaped while idle, expired, draining) opens a
-  fresh session, on another replica when several URLs are given: a new episode needs no old state.
+* ``reset`` on a session the server no longer has (reaped while idle, expired, draining), or whose
+  connection dropped, opens a fresh session instead of resuming, trying every replica given: a new
+  episode needs no old state, so a dead server costs a ``reset`` one refused connection, not a wait.
 * A dead server raises ``ServerUnavailableError`` after ``connect_timeout`` seconds, never hangs.
 * A tool failure (it raised, bad arguments, unknown tool, deadline) raises ``ToolCallError`` whose
   ``str()`` is the text to show the model; see ``sdk.exceptions`` for the rest.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -94,7 +95,7 @@ class RemoteEnvironment:
                 other typed errors of ``sdk.exceptions``.
         """
         try:
-            return await self._request(protocol.Op.RESET, kwargs=kwargs)
+            return await self._request(protocol.Op.RESET, resume=False, kwargs=kwargs)
         except (SessionLostError, ServerDrainingError):
             # A new episode needs no old state: start over on a fresh session, elsewhere if possible.
             await self._drop(rotate=True)
@@ -155,6 +156,12 @@ class RemoteEnvironment:
     async def _call_tool(self, name: str, **arguments: Any) -> str:
         return await self.call(name, arguments)
 
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[str]]:
+        """A hosted tool as a coroutine method, as on a local environment: ``await env.guess(code=5)``."""
+        if name.startswith("_") or name not in {s["function"]["name"] for s in self.tool_schemas}:
+            raise AttributeError(f"{type(self).__name__} has no attribute or remote tool {name!r}")
+        return functools.partial(self._call_tool, name)
+
     def _describe(self) -> dict[str, Any]:
         if self._description is None:
             self._description = fetch_description(self.url, self.env_name, self.token, self.connect_timeout)
@@ -162,7 +169,9 @@ class RemoteEnvironment:
 
     # -- connection management -------------------------------------------------------------
 
-    async def _request(self, op: str, **fields: Any) -> Any:
+    async def _request(self, op: str, resume: bool = True, **fields: Any) -> Any:
+        """Send one request and return its result; a dropped connection resumes the session (or,
+        with ``resume=False``, opens a new one on any replica) and resends."""
         if self._closed:
             raise SessionLostError(protocol.ErrorCode.SESSION_CLOSED, "this RemoteEnvironment was closed")
         loop = asyncio.get_running_loop()
@@ -174,6 +183,8 @@ class RemoteEnvironment:
             self._next_id += 1
             frame = protocol.dumps({"id": rid, "op": op, **fields})
             for attempt in range(_RESUME_ATTEMPTS + 1):
+                if self._ws is None and not resume:
+                    self.session_id = None  # the old session (if any) expires on the server
                 ws = self._ws or await self._connect()
                 try:
                     await ws.send(frame)

@@ -67,6 +67,22 @@ def test_environment_tools_of_a_remote_env_are_async_callables(server):
     assert str(failed) == "ValueError: kaput" and failed.code == "tool_error"
 
 
+def test_hosted_tools_are_coroutine_methods_like_a_local_environments(server):
+    env = RemoteEnvironment(server.url, "probe")
+
+    async def scenario():
+        await env.reset()
+        echoed = await env.echo(text="ab", times=3)
+        await env.aclose()
+        return echoed
+
+    assert asyncio.run(scenario()) == "ababab"
+    with pytest.raises(AttributeError, match="no attribute or remote tool 'ecko'"):
+        env.ecko  # noqa: B018
+    with pytest.raises(AttributeError):
+        env._private  # noqa: B018
+
+
 def test_tool_errors_are_typed_and_the_session_survives(server):
     async def scenario():
         async with RemoteEnvironment(server.url, "counter") as env:
@@ -111,7 +127,9 @@ def test_reset_after_the_session_expired_opens_a_new_one():
             async with RemoteEnvironment(srv.url, "counter") as env:
                 await env.reset(target=1)
                 first = env.session_id
-                await asyncio.sleep(0.6)  # reaped while idle between episodes
+                # Reaped while idle between episodes: wait for the reaper (it runs late on a loaded
+                # machine), not for a fixed time.
+                assert await asyncio.to_thread(wait_until, lambda: health(srv)["sessions"] == 0, 30)
                 with pytest.raises(SessionLostError):
                     await env.call("increment", {"step": 1})
                 prompt = await env.reset(target=2)
