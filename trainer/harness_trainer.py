@@ -116,8 +116,9 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
                          peft_config=peft_config, environment_factory=environment_factory)
         if self.rollout_chat_template is None and environment_factory is None:
             # The agents' requests are multi-turn whatever the trainer knows of their tools: check the template.
-            self.rollout_chat_template = rollout_chat_template(
-                self.processing_class, None, **dict(args.chat_template_kwargs or {}))
+            tokenizer: Any = self.processing_class
+            kwargs: Any = args.chat_template_kwargs or {}  # a dict once the config's __post_init__ ran
+            self.rollout_chat_template = rollout_chat_template(tokenizer, None, **dict(kwargs))
 
     def rollout_loop_kwargs(self) -> dict[str, Any]:
         """The agent, for :class:`~trainer.rollout.harness_loop.HarnessRolloutLoop`."""

@@ -15,6 +15,7 @@ failure fails only its rollout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -42,6 +43,7 @@ would, or a list of arguments)."""
 
 _OUTPUT_TAIL = 64 * 1024  # bytes of a command's stdout / stderr kept (the reward line, the error)
 _CANCEL_GRACE_S = 2.0  # a cancelled callable that has not stopped by then is abandoned
+_PIPE_DRAIN_S = 1.0
 
 
 def check_agent(agent: Any) -> Callable[..., Any] | list[str]:
@@ -53,8 +55,7 @@ def check_agent(agent: Any) -> Callable[..., Any] | list[str]:
         if not argv or not all(isinstance(a, str) for a in argv):
             raise ConfigError(f"a command agent must be a non-empty list of strings, got {agent!r}")
         return argv
-    if callable(agent) and (inspect.iscoroutinefunction(agent)
-                            or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
+    if inspect.iscoroutinefunction(agent) or (callable(agent) and inspect.iscoroutinefunction(agent.__call__)):
         return agent  # type: ignore[no-any-return]
     raise ConfigError(f"agent must be an async function taking an AgentTask (async def agent(task): ...) or a "
                       f"command line, got {agent!r}; a sync agent would block the rollout worker's event loop")
@@ -237,6 +238,11 @@ async def _run_command(argv: list[str], task: AgentTask) -> float | None:
         _kill_group(proc.pid)
         if proc.returncode is None:
             await proc.wait()
+        # The transport closes once its pipes are at EOF: see that through (bounded: a child that left
+        # the process group could hold a pipe open), so no pipe outlives the rollout.
+        proc.stdin.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.stderr.read()), _PIPE_DRAIN_S)
     if code != 0:
         raise CommandFailed(f"{shlex.join(argv)} exited with status {code}; stderr ends with:\n"
                             f"{err.decode(errors='replace')[-2000:]}")

@@ -19,8 +19,9 @@ Routes (``{secret}`` is the rollout's, 256 random bits)::
     POST /v1/chat/completions                GET /v1/models        (secret as the API key)
 
 A key that is another live rollout's secret is refused beside a URL secret (401), and so is an
-unknown secret; a finished rollout's secret gets 404 ``rollout_finished``. The server listens on loopback unless configured
-otherwise; request bodies, requests per rollout and requests in flight per rollout are bounded.
+unknown secret; a finished rollout's secret gets 404 ``rollout_finished``. The server listens on
+loopback unless configured otherwise; request bodies, requests per rollout and requests in flight
+per rollout are bounded.
 """
 
 from __future__ import annotations

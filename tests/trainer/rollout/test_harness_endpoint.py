@@ -103,7 +103,8 @@ def test_tool_calls_come_back_in_openai_format_and_the_echo_extends_the_sample(t
         assert stats.forks == 0 and len(sequences) == 1, "the echoed reply renders as generated: one sample"
         generated = [t for turn in session.turns for t in turn.output_ids]
         (seq,) = sequences
-        assert [i for i, m in zip(seq.input_ids, seq.loss_mask) if m] == generated, "every generated token once"
+        trained = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
+        assert trained == generated, "every generated token trained once"
         assert session.tool_calls == 1 and session.tool_failures == 0
         assert session.conversation[-1] == {"role": "assistant", "content": "The counter is at 2."}
 
@@ -152,8 +153,8 @@ def test_rewritten_history_forks_a_new_sample(tokenizer: Any) -> None:
         await server.stop()
         sequences, stats = reconcile_turns(session.turns)
         assert stats.forks == 1 and len(sequences) == 2
-        for seq, turn in zip(sequences, session.turns):
-            assert [i for i, m in zip(seq.input_ids, seq.loss_mask) if m] == turn.output_ids
+        for seq, turn in zip(sequences, session.turns, strict=True):
+            assert [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m] == turn.output_ids
 
     run(go())
 
