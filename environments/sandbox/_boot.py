@@ -1,7 +1,8 @@
 """First code of every interpreter that runs model-written code: limits, then the code.
 
-Not imported: its source runs as ``python -I -c SOURCE CONFIG`` in the sandbox, so it imports only
-the standard library. CONFIG is a JSON object: ``cpu``, ``memory``, ``file`` (rlimits; ``file``
+Not imported: its source runs as ``python -I [-S] -c SOURCE CONFIG`` in the sandbox, so it imports only
+the standard library. CONFIG is a JSON object: ``path`` (directories added to ``sys.path``:
+the host's site-packages where ``site`` does not run), ``cpu``, ``memory``, ``file`` (rlimits; ``file``
 caps each written file), ``processes`` (RLIMIT_NPROC, or null where the run shares the host's
 uid), ``user`` (the uid and gid to switch to, or null), ``hook`` (install the weak mode's audit
 hook), ``mode`` and, in ``serve`` mode, ``fds``.
@@ -13,7 +14,6 @@ ends): frames of a 4-byte big-endian length and a ``repr``; the first frame list
 each answer is ``("ok", repr(result))`` or ``("error", "ExceptionName", message)``.
 """
 
-import ast
 import json
 import os
 import resource
@@ -80,6 +80,7 @@ def _read_exactly(fd, size):
 
 
 def _serve(code, requests, answers):
+    import ast  # here: ~10 ms that a plain run does not need
     namespace = {"__name__": "solution", "__file__": "solution.py"}
     exec(compile(code, "solution.py", "exec"), namespace)  # an exception here ends the process: a crash
     names = sorted(name for name, value in namespace.items() if not name.startswith("_") and callable(value))
@@ -113,6 +114,7 @@ def main():
     _limit(config)
     if config["hook"]:
         _install_hook()
+    sys.path.extend(config["path"])
     sys.argv = [script]
     if config["mode"] == "run":
         import runpy

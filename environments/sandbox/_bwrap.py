@@ -10,8 +10,8 @@ in a new session, and dies with the process that started it.
 
 Left to itself, bubblewrap started by root maps the sandbox's uid to host uid 0, which the kernel
 treats as the owner of root's files (root-writable sysctls, ``/proc/sysrq-trigger``) and exempts
-from RLIMIT_NPROC. So the caller writes the maps itself (``map_users``): host uid 65534 is the
-sandbox's 65534, and the code runs as that. ``/proc`` and ``/dev`` are read-only all the same.
+from RLIMIT_NPROC. So the caller writes the maps itself: host uid 65534 is the
+sandbox's 65534, and the code runs as that (``Startup``). ``/proc`` and ``/dev`` are read-only all the same.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import os
 import re
 import select
+import signal
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], i
             block_fd: int) -> list[str]:
     """The ``bwrap`` arguments before the sandboxed command, which gets ``WORKDIR`` as cwd and only ``env``.
 
-    The sandbox waits on ``block_fd`` until ``map_users`` has written its uid and gid maps (the
+    The sandbox waits on ``block_fd`` until ``Startup`` has written its uid and gid maps (the
     child's host pid comes as JSON on ``info_fd``): its command then starts as root of its user
     namespace (host root), keeping only CAP_SETUID and CAP_SETGID, and ``_boot.py`` switches to
     ``UID`` (host uid ``UID`` too, which is not root and so is bound by RLIMIT_NPROC) before any
@@ -67,27 +68,60 @@ def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], i
     return args
 
 
-def map_users(info_fd: int, block_fd: int, deadline: float) -> None:
-    """Read the sandbox's pid from ``info_fd``, map uid/gid 0 and ``UID`` to themselves, release it.
+class Startup:
+    """One sandbox's start and end: its uid/gid maps, and the wait for every process of it to be gone.
 
-    Raises:
-        TimeoutError: no pid before ``deadline``.
-        OSError: bubblewrap exited before telling it (its own error is in its output).
+    ``info_fd`` and ``block_fd`` go to ``command`` (and to the child, as inherited fds); calling the
+    object (the runner's ``started`` hook) reads the sandbox's host pid, maps uid/gid 0 and ``UID``
+    to themselves and lets the sandbox go on; ``close`` kills the sandbox's PID 1 and waits until it
+    is gone. Bubblewrap's own process exits as soon as the command does, before the kernel has
+    finished killing the rest of the PID namespace: without that wait, a ``setsid`` child could
+    outlive the run by a moment.
     """
-    info = b""
-    while not info.rstrip().endswith(b"}"):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([info_fd], [], [], remaining)[0]:
-            raise TimeoutError("bubblewrap did not start in time")
-        chunk = os.read(info_fd, 4096)
-        if not chunk:
-            raise ChildProcessError("bubblewrap exited before starting the sandbox")
-        info += chunk
-    pid = json.loads(info)["child-pid"]
-    for kind in ("uid_map", "gid_map"):
-        with open(f"/proc/{pid}/{kind}", "w", encoding="ascii") as out:
-            out.write(f"0 0 1\n{UID} {UID} 1\n")
-    os.write(block_fd, b"1")
+
+    def __init__(self) -> None:
+        self._info_read, self.info_fd = os.pipe()
+        self.block_fd, self._block_write = os.pipe()
+        self._init: int | None = None  # a pidfd of the sandbox's PID 1
+
+    def __call__(self, deadline: float) -> None:
+        """Map the users of the sandbox that has just started, then release it.
+
+        Raises:
+            TimeoutError: no pid before ``deadline``.
+            ChildProcessError: bubblewrap exited before telling it (its error is in its output).
+        """
+        os.close(self.info_fd)
+        os.close(self.block_fd)
+        self.info_fd = self.block_fd = -1
+        info = b""
+        while not info.rstrip().endswith(b"}"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._info_read], [], [], remaining)[0]:
+                raise TimeoutError("bubblewrap did not start in time")
+            chunk = os.read(self._info_read, 4096)
+            if not chunk:
+                raise ChildProcessError("bubblewrap exited before starting the sandbox")
+            info += chunk
+        pid = json.loads(info)["child-pid"]
+        self._init = os.pidfd_open(pid)
+        for kind in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{kind}", "w", encoding="ascii") as out:
+                out.write(f"0 0 1\n{UID} {UID} 1\n")
+        os.write(self._block_write, b"1")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Kill the sandbox's PID 1 (and so its namespace), wait up to ``timeout`` s for it, close the fds."""
+        if self._init is not None:
+            try:
+                signal.pidfd_send_signal(self._init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            select.select([self._init], [], [], timeout)
+            os.close(self._init)
+        for fd in (self._info_read, self.info_fd, self.block_fd, self._block_write):
+            if fd >= 0:
+                os.close(fd)
 
 
 @functools.cache

@@ -1,9 +1,9 @@
 """The trusted side of grading: runs the tests against a solution served by another process.
 
-Not imported: its source runs as ``python -I -S -c SOURCE RESULT_FD`` inside the sandbox, before
+Not imported: its source runs as ``python -I [-S] -c SOURCE RESULT_FD`` inside the sandbox, before
 any model code, so it imports only the standard library. Its stdin is a JSON object: ``boot`` (the
-source of ``_boot.py``), ``boot_config`` (that script's CONFIG, without ``fds``), ``solution`` and
-``tests``.
+source of ``_boot.py``), ``boot_config`` (that script's CONFIG, without ``fds``), ``flags`` (the
+interpreter's), ``solution`` and ``tests``.
 
 It makes itself non-dumpable (so the solution, which runs with the same uid, can neither trace it
 nor open its ``/proc`` entries and file descriptors), starts the solution in a child interpreter
@@ -116,7 +116,7 @@ def main():
     requests_read, requests_write = os.pipe()
     answers_read, answers_write = os.pipe()
     config = json.dumps({**job["boot_config"], "fds": [requests_read, answers_write]})
-    child = subprocess.Popen([sys.executable, "-I", "-c", job["boot"], config], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, *job["flags"], "-c", job["boot"], config], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # nobody reads it
                              pass_fds=(requests_read, answers_write))
     os.close(requests_read)

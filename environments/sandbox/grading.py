@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from environments.sandbox._core import BOOT_SOURCE, Isolation, Limits, boot_config, isolation, launch
+from environments.sandbox._core import BOOT_SOURCE, Isolation, Limits, boot_config, isolation, launch, python_flags
 
 _GRADER_SOURCE = (Path(__file__).parent / "_grader.py").read_text(encoding="utf-8")
 _MAX_RESULT = 4096
@@ -39,8 +39,8 @@ def score_tests(solution: str, tests: Sequence[str], limits: Limits = Limits(), 
     if not tests:
         return 0.0
     mode = mode or isolation()
-    job = {"boot": BOOT_SOURCE, "boot_config": boot_config(mode, limits, "serve"), "solution": solution,
-           "tests": list(tests)}
+    job = {"boot": BOOT_SOURCE, "boot_config": boot_config(mode, limits, "serve"), "flags": python_flags(mode),
+           "solution": solution, "tests": list(tests)}
     result_read, result_write = os.pipe()
     try:
         finished = launch(mode, limits, _GRADER_SOURCE, str(result_write), json.dumps(job).encode(),

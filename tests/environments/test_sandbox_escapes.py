@@ -146,10 +146,14 @@ def _alive(marker: str) -> list[str]:
 @pytest.mark.parametrize("ending", ["exit", "timeout"])
 def test_no_process_of_a_run_survives_it(ending):
     marker = f"toolgym-survivor-{uuid.uuid4().hex}"
-    code = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+    code = (f"import glob, os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-            f"    os._exit(0)\ntime.sleep(1)\n" + ("time.sleep(60)\n" if ending == "timeout" else ""))
-    result = run_python(code, Limits(wall_seconds=4.0 if ending == "timeout" else 30.0))
+            f"    os._exit(0)\n"
+            f"while not any({marker!r}.encode() in open(p, 'rb').read() for p in glob.glob('/proc/[0-9]*/cmdline')):\n"
+            f"    time.sleep(0.05)\nprint('daemon running', flush=True)\n"
+            + ("time.sleep(60)\n" if ending == "timeout" else ""))
+    result = run_python(code, Limits(wall_seconds=15.0 if ending == "timeout" else 30.0))
+    assert "daemon running" in result.output
     assert result.timed_out == (ending == "timeout")
     assert _alive(marker) == []
 
