@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sync methods that always finish faster than this (seconds, e.g. 0.001) run on the "
                         "event loop; 0 (default) keeps them all in the thread pool")
     p.add_argument("--drain_timeout", "--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
+    p.add_argument("--max_head_bytes", "--max-head-bytes", type=int, default=d.max_head_bytes,
+                   help="largest HTTP request head; larger ones get 431")
+    p.add_argument("--head_timeout", "--head-timeout", type=float, default=d.head_timeout,
+                   help="seconds a connection may take to send a complete request head")
+    p.add_argument("--max_buffered_bytes", "--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                   help="bytes of received messages queued per connection before reading pauses")
+    p.add_argument("--fragment_timeout", "--fragment-timeout", type=float, default=d.fragment_timeout,
+                   help="seconds a fragmented WebSocket message may take to arrive whole")
     p.add_argument("--log_level", "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -67,6 +75,8 @@ def main(argv: list[str]) -> int:
             idle_timeout=args.idle_timeout, resume_grace=args.resume_grace, call_timeout=args.call_timeout,
             max_frame_bytes=args.max_frame_bytes, threads=args.threads, inline_sync=args.inline_sync,
             inline_threshold=args.inline_threshold, drain_timeout=args.drain_timeout,
+            max_head_bytes=args.max_head_bytes, head_timeout=args.head_timeout,
+            max_buffered_bytes=args.max_buffered_bytes, fragment_timeout=args.fragment_timeout,
         )
     except (EnvServerError, SpecNotFoundError, ToolDefinitionError) as exc:
         print(f"toolgym serve: {exc}", file=sys.stderr)

@@ -44,6 +44,10 @@ def test_specs_name_environments_and_refuse_duplicates():
 @pytest.mark.parametrize(("args", "message"), [
     (["--max-sessions", "0"], "max_sessions must be >= 1"),
     (["--inline-threshold", "-1"], "inline_threshold must be >= 0"),
+    (["--max_head_bytes", "0"], "max_head_bytes must be >= 1"),
+    (["--head_timeout", "0"], "head_timeout must be > 0"),
+    (["--max_buffered_bytes", "0"], "max_buffered_bytes must be >= 1"),
+    (["--fragment_timeout", "-1"], "fragment_timeout must be > 0"),
 ])
 def test_bad_config_exits_2(capsys, args, message):
     assert main(["counter", *args]) == 2
