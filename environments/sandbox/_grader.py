@@ -5,11 +5,11 @@ any model code, so it imports only the standard library. Its stdin is a JSON obj
 source of ``_boot.py``), ``boot_config`` (that script's CONFIG, without ``fds``), ``flags`` (the
 interpreter's), ``solution`` and ``tests``.
 
-It makes itself non-dumpable (so the solution, which runs with the same uid, can neither trace it
-nor open its ``/proc`` entries and file descriptors), starts the solution in a child interpreter
-through ``_boot.py``'s ``serve`` mode, and evaluates each test here, where the names the solution
-defines are proxies: a call sends its arguments (plain literals) to the child and gets back the
-``repr`` of the result, read with ``ast.literal_eval`` into plain data. So the solution cannot
+It makes itself non-dumpable and starts the solution in a child interpreter through ``_boot.py``'s
+``serve`` mode, which under bubblewrap switches to another uid first: the solution can neither
+signal nor trace this process, nor open its ``/proc`` entries and file descriptors. It evaluates
+each test here, where the names the solution defines are proxies: a call sends its arguments
+(plain literals) to the child and gets back the ``repr`` of the result, read with ``ast.literal_eval`` into plain data. So the solution cannot
 replace what the tests call, patch the test code or its builtins, return objects that compare
 equal to anything, or report a score: only this process writes to RESULT_FD, once, a JSON object
 ``{"passed": N, "crashed": bool}``. The child dying at any time (an exception while loading, an

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from environments.python_exec import PythonExecEnv
-from environments.sandbox import Isolation, Limits, run_python, score_tests
+from environments.sandbox import (MODE_VARIABLE, Isolation, Limits, SandboxConfigError, isolation, run_python,
+                                  score_tests)
 
 FAST = Limits(cpu_seconds=5, wall_seconds=30.0, output_bytes=1024)  # generous: CI machines are busy
 
@@ -99,3 +100,11 @@ def test_a_hack_through_the_environment_scores_0_and_a_solution_1():
     assert env.get_reward() == 0.0
     env.run_code(FIB)
     assert env.get_reward() == 1.0
+
+
+def test_bad_settings_are_typed_errors(monkeypatch):
+    monkeypatch.setenv(MODE_VARIABLE, "none")
+    with pytest.raises(SandboxConfigError, match="TOOLGYM_SANDBOX='none': use 'bwrap'"):
+        isolation()
+    with pytest.raises(SandboxConfigError, match="Limits.processes must be > 0"):
+        Limits(processes=0)
