@@ -15,13 +15,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
+from trainer.exceptions import RewardFunctionError, RewardTimeoutError
 from trainer.records import RolloutGroup
+
+logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., Any]
 STD_EPS = 1e-4
@@ -61,27 +65,81 @@ def is_degenerate(rewards: np.ndarray) -> bool:
     return r.size < 2 or bool(np.all(r == r[0]))
 
 
-async def call_reward_funcs(
-    reward_funcs: Sequence[RewardFunc], group: RolloutGroup, executor: Executor | None = None
-) -> list[list[float | None]]:
-    """Run every reward function on the group concurrently (async ones awaited, sync ones in threads).
+class RewardRunner:
+    """Runs the reward functions on each group, each call bounded by ``timeout_s``.
 
-    Each is called with ``prompts``, ``completions``, ``completion_ids`` and the prompt row's other
-    columns (one value per rollout). A function that returns the wrong number of rewards raises.
+    Async functions are awaited and cancelled at the deadline; sync ones (``accuracy_reward``'s
+    math-verify parsing included) run on ``executor``'s threads, which cannot be stopped, so a call
+    past its deadline is abandoned: its thread finishes (or not) on its own. A function that times
+    out gives ``None`` for the group (not scored by it, ``rewards/<name>/timeout_count``) and the run
+    goes on; one that times out in ``max_timeouts_in_a_row`` groups in a row hangs on every input,
+    so the run stops with :class:`~trainer.exceptions.RewardTimeoutError`. A function that raises, or
+    returns the wrong number of rewards, stops the run with
+    :class:`~trainer.exceptions.RewardFunctionError` naming it.
+
+    Args:
+        reward_funcs: The reward functions.
+        executor: Thread pool for the sync ones.
+        timeout_s: ``reward_timeout``: seconds one call may take; ``None`` for no limit.
+        max_timeouts_in_a_row: Consecutive timed-out groups of one function before the run stops.
     """
-    kwargs: dict[str, Any] = dict(group.reward_kwargs)
-    kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids)
-    loop = asyncio.get_running_loop()
 
-    async def run(func: RewardFunc) -> list[float | None]:
+    def __init__(self, reward_funcs: Sequence[RewardFunc], executor: Executor | None, timeout_s: float | None,
+                 max_timeouts_in_a_row: int = 3) -> None:
+        self.reward_funcs = list(reward_funcs)
+        self.executor = executor
+        self.timeout_s = timeout_s
+        self.max_timeouts_in_a_row = max_timeouts_in_a_row
+        self._timeouts_in_a_row = [0] * len(self.reward_funcs)
+        self.timeout_counts: dict[str, int] = {}  # per function name, since the last take_timeouts()
+
+    async def __call__(self, group: RolloutGroup) -> list[list[float | None]]:
+        """One list of rewards per function (``None`` where it does not apply or timed out)."""
+        kwargs: dict[str, Any] = dict(group.reward_kwargs)
+        kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids)
+        return list(await asyncio.gather(*(self._run(i, f, kwargs, len(group.completions))
+                                           for i, f in enumerate(self.reward_funcs))))
+
+    def take_timeouts(self) -> dict[str, int]:
+        """Timed-out calls per function name since the last call."""
+        out, self.timeout_counts = self.timeout_counts, {}
+        return out
+
+    async def _run(self, index: int, func: RewardFunc, kwargs: dict[str, Any], n: int) -> list[float | None]:
+        name = reward_func_name(func)
         if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
-            values = await func(**kwargs)
+            call = func(**kwargs)
         else:
-            values = await loop.run_in_executor(executor, functools.partial(func, **kwargs))
-        values = list(values)
-        if len(values) != len(group.completions):
-            raise ValueError(f"reward function {reward_func_name(func)!r} returned {len(values)} rewards "
-                             f"for {len(group.completions)} completions")
+            call = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(func, **kwargs))
+        try:
+            values = list(await asyncio.wait_for(call, self.timeout_s))
+        except TimeoutError:
+            return self._timed_out(index, name, n)
+        except Exception as exc:
+            raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+        self._timeouts_in_a_row[index] = 0
+        if len(values) != n:
+            raise RewardFunctionError(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
         return [None if v is None else float(v) for v in values]
 
-    return list(await asyncio.gather(*(run(f) for f in reward_funcs)))
+    def _timed_out(self, index: int, name: str, n: int) -> list[float | None]:
+        self._timeouts_in_a_row[index] += 1
+        self.timeout_counts[name] = self.timeout_counts.get(name, 0) + 1
+        if self._timeouts_in_a_row[index] >= self.max_timeouts_in_a_row:
+            raise RewardTimeoutError(
+                f"reward function {name!r} ran past reward_timeout={self.timeout_s:g} s in "
+                f"{self._timeouts_in_a_row[index]} groups in a row: it hangs (the calls still hold their "
+                "threads); fix it or raise reward_timeout")
+        logger.warning("reward function %r ran past reward_timeout=%g s; this group is not scored by it",
+                       name, self.timeout_s)
+        return [None] * n
+
+
+async def call_reward_funcs(reward_funcs: Sequence[RewardFunc], group: RolloutGroup, executor: Executor | None = None,
+                            timeout_s: float | None = None) -> list[list[float | None]]:
+    """Run every reward function on the group once (see :class:`RewardRunner`).
+
+    Each is called with ``prompts``, ``completions``, ``completion_ids`` and the prompt row's other
+    columns (one value per rollout), concurrently: async ones awaited, sync ones in threads.
+    """
+    return await RewardRunner(reward_funcs, executor, timeout_s)(group)
