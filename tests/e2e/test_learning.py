@@ -82,11 +82,13 @@ def test_arithmetic_run_is_scored_by_accuracy_reward(
                                train_dataset=_arithmetic_dataset())
     trainer.train()
 
-    # One log per step (the closing summary may carry the last window's metrics too: not a step).
+    # A step logs the reward metrics of the groups it received (they travel with the group); a step
+    # that trains only samples held over from the previous one receives none, so not every step has
+    # them (the closing summary may carry the last window's metrics too: not a step).
     logged = [h for h in trainer.state.log_history if "rewards/accuracy_reward/mean" in h and "loss" in h]
-    assert len(logged) == steps
+    assert 1 <= len(logged) <= steps
     accuracy = [h["rewards/accuracy_reward/mean"] for h in logged]
     assert all(0.0 <= a <= 1.0 for a in accuracy)
-    assert 0.0 < sum(accuracy) / steps < 1.0, f"some answers right, some wrong: {accuracy}"
+    assert 0.0 < sum(accuracy) / len(logged) < 1.0, f"some answers right, some wrong: {accuracy}"
     assert [h["reward"] for h in logged] == pytest.approx(accuracy)  # the only reward source
     assert trainer.stream.policy_version == steps  # one weight sync per optimizer step

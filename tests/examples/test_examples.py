@@ -1,8 +1,9 @@
 """Every script in ``examples/`` runs, so none of them rots.
 
 Each example's ``main([...])`` trains on the tiny model against the session's vLLM server with tiny
-settings (4 generations, 16 tokens per turn, one step; two for the curriculum), and the test checks
-what that run always shows: the step happened, the expected reward names were logged, the
+settings (4 generations, 16 tokens per turn, one step; the curriculum runs until it skipped a
+prompt), and the test checks what that run always shows: the step happened, the expected reward
+names were logged (a group's metrics travel with it, so the step that receives it logs them), the
 environment saw the row's columns, routing picked the row's environment, the curriculum skipped
 solved prompts. The random tiny model almost never calls a tool, so no test relies on a call being
 made. Fast checks of the examples' own functions (the source's doctests) come first.
@@ -11,6 +12,7 @@ made. Fast checks of the examples' own functions (the source's doctests) come fi
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import json
 import math
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 
 from sdk.tools import environment_tools, tool_from_function
+from tests.trainer.events import StopOnceLogged, StopWhen
 from trainer.rollout.chat_template import render_prompt_ids
 from trainer.metrics import MetricWindow
 from toolgym.launch.vllm_server import VLLMServer
@@ -38,14 +41,19 @@ def _example(name: str) -> ModuleType:
     return importlib.import_module(f"examples.{name}")
 
 
-def _train(name: str, server: VLLMServer, model_dir: Path, tmp_path: Path, *extra: str, max_steps: int = 1) -> Any:
+def _train(name: str, server: VLLMServer, model_dir: Path, tmp_path: Path, *extra: str, max_steps: int = 1,
+           stop: Any = None) -> Any:
+    """Run the example's ``main``; with ``stop`` (a callback of ``tests.trainer.events`` passed to the
+    trainer), ``max_steps`` is only a cap and the run must have stopped on its event before it."""
     trainer = _example(name).main([
         "--model", str(model_dir), "--vllm-url", server.base_url, "--max-steps", str(max_steps),
         "--output-dir", str(tmp_path / "out"), "--num-generations", "4", "--max-completion-length", "16", *extra,
     ])
-    assert trainer.state.global_step == max_steps
+    steps = max_steps if stop is None else stop.stopped_at
+    assert steps is not None and steps <= max_steps, "the run reached its step cap before the event it waits for"
+    assert trainer.state.global_step == steps
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == max_steps and all(math.isfinite(v) for v in losses)
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses)
     return trainer
 
 
@@ -251,9 +259,19 @@ def test_increment_env_with_dataset_run(vllm_server: VLLMServer, tiny_model_dir:
 
 
 def test_multi_environment_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
-                               restore_served_weights: WeightSynchronizer) -> None:
+                               restore_served_weights: WeightSynchronizer, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "episodes.jsonl"
-    trainer = _train("multi_environment", vllm_server, tiny_model_dir, tmp_path, "--episode-log", str(log))
+
+    def both_environments_ran() -> bool:  # the first group is one row's, so one environment's
+        return log.exists() and {json.loads(line)["env"] for line in log.read_text().splitlines()} == {
+            "CodingEnv", "GameEnv"}
+
+    # How many groups ran by the end of step 1 depends on the machine's load: run until both had episodes.
+    ex = _example("multi_environment")
+    seen = StopWhen(both_environments_ran)
+    monkeypatch.setattr(ex, "AsyncGRPOTrainer", functools.partial(ex.AsyncGRPOTrainer, callbacks=[seen]))
+    trainer = _train("multi_environment", vllm_server, tiny_model_dir, tmp_path, "--episode-log", str(log),
+                     max_steps=20, stop=seen)
     routes = dict(zip(trainer.rollout_dataset["seed"], trainer.rollout_dataset["environment"]))
     episodes = [json.loads(line) for line in log.read_text().splitlines()]
     expected_class = {"coding": "CodingEnv", "game": "GameEnv"}
@@ -266,11 +284,18 @@ def test_multi_environment_run(vllm_server: VLLMServer, tiny_model_dir: Path, tm
 
 
 def test_curriculum_run_skips_solved_prompts(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
-                                             restore_served_weights: WeightSynchronizer) -> None:
+                                             restore_served_weights: WeightSynchronizer,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # 16 tokens are at most 16 words: every prompt with a budget of 16 words or more is solved by
     # every rollout (equal rewards: the group is dropped, yet compute_advantages records it), and the
-    # next epoch skips it.
-    trainer = _train("curriculum", vllm_server, tiny_model_dir, tmp_path, max_steps=2)
+    # next epoch skips it. How many steps the worker needs to reach that epoch depends on the
+    # machine's load (2 steps were not enough beside a busy core), so the example's own main() runs
+    # until the skip was logged: each step trains at least one of the 6 unsolved prompts of an
+    # epoch of 12, so the second epoch starts within 7 steps; 30 is only the cap.
+    ex = _example("curriculum")
+    seen = StopOnceLogged("curriculum/skipped_count")
+    monkeypatch.setattr(ex, "CurriculumTrainer", functools.partial(ex.CurriculumTrainer, callbacks=[seen]))
+    trainer = _train("curriculum", vllm_server, tiny_model_dir, tmp_path, max_steps=30, stop=seen)
     logged = _logged(trainer)
     assert sum(logged.get("curriculum/skipped_count", [])) > 0, "the curriculum skipped solved prompts"
     # The loop's own metrics (log_metric / log_rate in the spawned worker) reached the trainer's logs.

@@ -310,10 +310,11 @@ def test_a_group_whose_untruncated_rollouts_all_tie_is_dropped(tmp_path) -> None
         loop.executor.shutdown()
 
 
-def test_a_scored_groups_reward_metrics_are_sent_before_the_group(tmp_path) -> None:
-    """The step that trains a group logs its reward metrics: they never trail it into a later window.
+def test_a_scored_group_carries_its_reward_metrics(tmp_path) -> None:
+    """The step that receives a group logs its reward metrics: they travel in the group itself, through
+    the one queue, so they cannot trail it into a later window (two queues' feeder threads could).
 
-    ``queue.Queue`` stands in for the two multiprocessing queues (the trainer end is not under test).
+    ``queue.Queue`` stands in for the multiprocessing queue (the trainer end is not under test).
     """
     import queue
     from types import SimpleNamespace
@@ -326,10 +327,10 @@ def test_a_scored_groups_reward_metrics_are_sent_before_the_group(tmp_path) -> N
 
     class _Buffer:
         def put(self, item) -> None:
-            names = [name for batch in list(metrics.queue) for _, name, _, _ in batch]
-            seen_at_put.append(names)
+            seen_at_put.append([name for _, name, _, _ in item.records])
 
-    loop.channels = SimpleNamespace(metrics_queue=metrics, rollout_buffer=_Buffer())
+    loop.channels = SimpleNamespace(metrics_queue=metrics, rollout_buffer=_Buffer(),
+                                    queued_samples=SimpleNamespace(value=0))
     loop.allowance = TokenAllowance()
     group = make_group(2)
     group.rollout_rewards = [1.0, 0.0]
@@ -338,9 +339,11 @@ def test_a_scored_groups_reward_metrics_are_sent_before_the_group(tmp_path) -> N
         loop.score_queue = asyncio.Queue()
         await loop.score_queue.put((group, [], 0))
         task = asyncio.create_task(loop._score_forever())
-        while not seen_at_put:
+        while not seen_at_put and not task.done():
             await asyncio.sleep(0.01)
         task.cancel()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
 
     try:
         asyncio.run(score_one())
