@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import signal
 
-from environments.sandbox import Limits, RunResult, isolation, run_python, score_tests
+from environments.sandbox import DEFAULT_LIMITS, Limits, RunResult, isolation, run_python, score_tests
 from sdk.environment import Environment
 
 TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -45,7 +45,7 @@ def _describe(result: RunResult, limits: Limits) -> str:
 class PythonExecEnv(Environment):
     """Run Python in a sandbox to solve a task; reward = fraction of the row's tests passed."""
 
-    def __init__(self, limits: Limits = Limits(), seed: int | None = None) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, seed: int | None = None) -> None:
         self.limits = limits
         self._rng = random.Random(seed)
         self.tests: list[str] = []

@@ -12,11 +12,20 @@ docs/environments.md has the details.
 
 from __future__ import annotations
 
-from environments.sandbox._core import MODE_VARIABLE, Isolation, Limits, RunResult, isolation, run_python
+from environments.sandbox._core import (
+    DEFAULT_LIMITS,
+    MODE_VARIABLE,
+    Isolation,
+    Limits,
+    RunResult,
+    isolation,
+    run_python,
+)
 from environments.sandbox.exceptions import IsolationUnavailableError, SandboxConfigError, SandboxError
 from environments.sandbox.grading import score_tests
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "MODE_VARIABLE",
     "Isolation",
     "IsolationUnavailableError",

@@ -14,11 +14,14 @@ ends): frames of a 4-byte big-endian length and a ``repr``; the first frame list
 each answer is ``("ok", repr(result))`` or ``("error", "ExceptionName", message)``.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import resource
 import signal
 import sys
+from typing import Any
 
 _HOOK_DENIED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty",
                 "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "pty.")
@@ -26,7 +29,7 @@ _HOOK_WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
 
 
-def _limit(config):
+def _limit(config: dict[str, Any]) -> None:
     for which, value in ((resource.RLIMIT_CPU, config["cpu"]), (resource.RLIMIT_AS, config["memory"]),
                          (resource.RLIMIT_FSIZE, config["file"]), (resource.RLIMIT_CORE, 0),
                          (resource.RLIMIT_NPROC, config["processes"])):
@@ -35,17 +38,17 @@ def _limit(config):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails instead of killing
 
 
-def _install_hook():
+def _install_hook() -> None:
     """The weak mode's guard (the old sandbox): Python-level only, see the package docstring."""
     prefix = os.getcwd() + os.sep
 
-    def inside(path, realpath=os.path.realpath, fsdecode=os.fsdecode):
+    def inside(path: object) -> bool:
         try:
-            return realpath(fsdecode(path)).startswith(prefix)
+            return os.path.realpath(os.fsdecode(path)).startswith(prefix)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return isinstance(path, int)  # an already-open file descriptor
 
-    def guard(event, args):
+    def guard(event: str, args: tuple[Any, ...]) -> None:
         if event.startswith(_HOOK_DENIED):
             raise PermissionError(f"{event} is not allowed in this sandbox")
         if event == "open" and args[1] not in (None, "r", "rb", "rt") and not inside(args[0]):
@@ -56,20 +59,21 @@ def _install_hook():
     sys.addaudithook(guard)
 
 
-def _send(fd, text):
+def _send(fd: int, text: str) -> None:
     data = text.encode("utf-8", "backslashreplace")
     frame = len(data).to_bytes(4, "big") + data
     while frame:
         frame = frame[os.write(fd, frame):]
 
 
-def _receive(fd):
+def _receive(fd: int) -> str | None:
     """One frame's text, or None at end of input."""
     header = _read_exactly(fd, 4)
-    return None if header is None else _read_exactly(fd, int.from_bytes(header, "big")).decode()
+    body = None if header is None else _read_exactly(fd, int.from_bytes(header, "big"))
+    return None if body is None else body.decode()
 
 
-def _read_exactly(fd, size):
+def _read_exactly(fd: int, size: int) -> bytes | None:
     data = b""
     while len(data) < size:
         chunk = os.read(fd, size - len(data))
@@ -79,9 +83,9 @@ def _read_exactly(fd, size):
     return data
 
 
-def _serve(code, requests, answers):
+def _serve(code: str, requests: int, answers: int) -> None:
     import ast  # here: ~10 ms that a plain run does not need
-    namespace = {"__name__": "solution", "__file__": "solution.py"}
+    namespace: dict[str, Any] = {"__name__": "solution", "__file__": "solution.py"}
     exec(compile(code, "solution.py", "exec"), namespace)  # an exception here ends the process: a crash
     names = sorted(name for name, value in namespace.items() if not name.startswith("_") and callable(value))
     _send(answers, repr(names))
@@ -93,7 +97,7 @@ def _serve(code, requests, answers):
             _send(answers, repr(("error", type(exc).__name__, str(exc)[:1000])))
 
 
-def main():
+def main() -> None:
     """Set the limits and run the code from stdin as CONFIG says."""
     config = json.loads(sys.argv[1])
     code = sys.stdin.buffer.read().decode("utf-8", "replace")

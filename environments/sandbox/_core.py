@@ -89,6 +89,10 @@ class RunResult:
         return self.exit_code == 0 and not self.timed_out
 
 
+DEFAULT_LIMITS = Limits()
+"""The limits a run gets when none are given."""
+
+
 def isolation() -> Isolation:
     """The isolation in force, from ``TOOLGYM_SANDBOX`` (``bwrap``, the default, or ``weak``).
 
@@ -178,7 +182,7 @@ def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: b
     return finished
 
 
-def run_python(code: str, limits: Limits = Limits(), mode: Isolation | None = None) -> RunResult:
+def run_python(code: str, limits: Limits = DEFAULT_LIMITS, mode: Isolation | None = None) -> RunResult:
     """Run ``code`` as a script in a fresh sandboxed interpreter and collect its output.
 
     Args:

@@ -9,12 +9,14 @@ It makes itself non-dumpable and starts the solution in a child interpreter thro
 ``serve`` mode, which under bubblewrap switches to another uid first: the solution can neither
 signal nor trace this process, nor open its ``/proc`` entries and file descriptors. It evaluates
 each test here, where the names the solution defines are proxies: a call sends its arguments
-(plain literals) to the child and gets back the ``repr`` of the result, read with ``ast.literal_eval`` into plain data. So the solution cannot
-replace what the tests call, patch the test code or its builtins, return objects that compare
-equal to anything, or report a score: only this process writes to RESULT_FD, once, a JSON object
-``{"passed": N, "crashed": bool}``. The child dying at any time (an exception while loading, an
-early exit, a kill) is ``crashed``.
+(plain literals) to the child and gets back the ``repr`` of the result, read with
+``ast.literal_eval`` into plain data. So the solution cannot replace what the tests call, patch
+the test code or its builtins, return objects that compare equal to anything, or report a score:
+only this process writes to RESULT_FD, once, a JSON object ``{"passed": N, "crashed": bool}``.
+The child dying at any time (an exception while loading, an early exit, a kill) is ``crashed``.
 """
+
+from __future__ import annotations
 
 import ast
 import builtins
@@ -23,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 _MAX_FRAME = 1 << 20
 _PR_SET_DUMPABLE = 4
@@ -35,10 +38,10 @@ class _Crashed(Exception):
 class _Channel:
     """The pipes to the solution's process."""
 
-    def __init__(self, requests, answers):
+    def __init__(self, requests: int, answers: int) -> None:
         self.requests, self.answers = requests, answers
 
-    def send(self, text):
+    def send(self, text: str) -> None:
         data = text.encode()
         frame = len(data).to_bytes(4, "big") + data
         try:
@@ -47,7 +50,7 @@ class _Channel:
         except OSError as exc:
             raise _Crashed from exc
 
-    def receive(self):
+    def receive(self) -> Any:
         size = int.from_bytes(self._read(4), "big")
         if size > _MAX_FRAME:
             raise _Crashed
@@ -56,7 +59,7 @@ class _Channel:
         except (ValueError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
             raise _Crashed from exc
 
-    def _read(self, size):
+    def _read(self, size: int) -> bytes:
         data = b""
         while len(data) < size:
             chunk = os.read(self.answers, size - len(data))
@@ -69,10 +72,10 @@ class _Channel:
 class _Remote:
     """Stands for one of the solution's callables: calling it calls that in the solution's process."""
 
-    def __init__(self, channel, name):
+    def __init__(self, channel: _Channel, name: str) -> None:
         self._channel, self._name = channel, name
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = repr((self._name, args, kwargs))
         if ast.literal_eval(request) != (self._name, args, kwargs):
             raise TypeError(f"{self._name}(): arguments must be plain literals")
@@ -90,7 +93,7 @@ class _Remote:
         raise error(str(answer[-1]))
 
 
-def _grade(job, channel):
+def _grade(job: dict[str, Any], channel: _Channel) -> int:
     names = channel.receive()
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise _Crashed
@@ -108,7 +111,7 @@ def _grade(job, channel):
     return passed
 
 
-def main():
+def main() -> None:
     """Grade the job on stdin and write the result to the fd named in argv."""
     result_fd = int(sys.argv[1])
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -122,8 +125,10 @@ def main():
     os.close(requests_read)
     os.close(answers_write)
     try:
-        child.stdin.write(job["solution"].encode("utf-8", "replace"))
-        child.stdin.close()
+        feed = child.stdin
+        assert feed is not None  # stdin=PIPE
+        feed.write(job["solution"].encode("utf-8", "replace"))
+        feed.close()
         passed, crashed = _grade(job, _Channel(requests_write, answers_read)), False
     except (_Crashed, OSError):
         passed, crashed = 0, True

@@ -15,13 +15,23 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from environments.sandbox._core import BOOT_SOURCE, Isolation, Limits, boot_config, isolation, launch, python_flags
+from environments.sandbox._core import (
+    BOOT_SOURCE,
+    DEFAULT_LIMITS,
+    Isolation,
+    Limits,
+    boot_config,
+    isolation,
+    launch,
+    python_flags,
+)
 
 _GRADER_SOURCE = (Path(__file__).parent / "_grader.py").read_text(encoding="utf-8")
 _MAX_RESULT = 4096
 
 
-def score_tests(solution: str, tests: Sequence[str], limits: Limits = Limits(), mode: Isolation | None = None) -> float:
+def score_tests(solution: str, tests: Sequence[str], limits: Limits = DEFAULT_LIMITS,
+                mode: Isolation | None = None) -> float:
     """The fraction of ``tests`` that ``solution`` passes, in [0, 1].
 
     Args:

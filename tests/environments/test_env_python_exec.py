@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from environments.python_exec import PythonExecEnv
-from environments.sandbox import (MODE_VARIABLE, Isolation, Limits, SandboxConfigError, isolation, run_python,
-                                  score_tests)
+from environments.sandbox import (
+    MODE_VARIABLE,
+    Isolation,
+    Limits,
+    SandboxConfigError,
+    isolation,
+    run_python,
+    score_tests,
+)
 
 FAST = Limits(cpu_seconds=5, wall_seconds=30.0, output_bytes=1024)  # generous: CI machines are busy
 
@@ -83,8 +90,9 @@ HACKS = {
                               "                with open(f'/proc/{pid}/fd/{fd}', 'w') as f:\n"
                               "                    f.write('{\"passed\": 1000, \"crashed\": false}')\n"
                               "            except OSError:\n                pass\ndef fib(n):\n    return -1\n",
-    "grader killed": "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
-                     "    except OSError:\n        pass\ndef fib(n):\n    return -1\n",
+    "grader killed": "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n"
+                     "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+                     "def fib(n):\n    return -1\n",
 }
 
 

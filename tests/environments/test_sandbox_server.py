@@ -112,7 +112,8 @@ def test_the_server_refuses_to_host_python_without_bubblewrap(tmp_path):
     proc = _serve(_free_port(), env, log)
     assert proc.wait(timeout=120) != 0
     text = log.read_text()
-    assert "IsolationUnavailableError" in text and "apt-get install bubblewrap" in text and "TOOLGYM_SANDBOX=weak" in text
+    assert "IsolationUnavailableError" in text and "apt-get install bubblewrap" in text
+    assert "TOOLGYM_SANDBOX=weak" in text
 
 
 def test_weak_mode_is_explicit_and_warned_about_at_start(tmp_path):
