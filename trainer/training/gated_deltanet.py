@@ -21,6 +21,7 @@ delta rule runs on flash-linear-attention (``fla-core``) on CUDA where its kerne
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _hub_chunk_rule
 
 from trainer.training.packing import PackedRow
 
@@ -38,6 +39,7 @@ __all__ = [
     "enable_tree_gated_deltanet",
     "fla_usable",
     "gated_deltanet_modules",
+    "select_delta_rule",
     "tree_causal_conv",
     "tree_gated_delta_rule",
 ]
@@ -171,6 +173,10 @@ def fla_usable(device: torch.device, needs_grad: bool) -> bool:
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
+# transformers wraps its torch reference so that it calls fla instead whenever fla is importable (seen on
+# the H200: the "torch" path then hit fla's Hopper backward guard); the torch path must be the torch code.
+_torch_chunk_rule = inspect.unwrap(_hub_chunk_rule)
+
 
 def _torch_varlen_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -186,7 +192,7 @@ def _torch_varlen_rule(
     valid = pos[None, :] < lengths[:, None]  # (S, L)
     idx = torch.where(valid, cu_seqlens[:-1, None] + pos[None, :], q.shape[0])  # (S, L); T = padding
     pad = [torch.cat([t, t.new_zeros(1, *t.shape[1:])])[idx] for t in (q, k, v, g, beta)]
-    out, final = torch_chunk_gated_delta_rule(
+    out, final = _torch_chunk_rule(
         *pad[:3], g=pad[3], beta=pad[4], initial_state=initial_state, output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )  # (S, L, H, V), (S, H, K, V)
@@ -207,6 +213,29 @@ def _fla_varlen_rule(
     return out[0], final
 
 
+_BACKENDS = ("auto", "torch", "fla")
+_backend = "auto"
+
+
+def select_delta_rule(backend: str) -> None:
+    """Choose the delta-rule kernel of :func:`tree_gated_delta_rule` for this process.
+
+    ``auto`` (default): fla where :func:`fla_usable`, else transformers' torch rule; ``torch``: always
+    the torch rule; ``fla``: always fla (raises where it is not installed or refuses). (The torch rule
+    under ``torch.compile`` was tried: right forward, wrong gradients on torch 2.13, so it is not offered.)
+    """
+    global _backend
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown delta-rule backend {backend!r}: one of {', '.join(_BACKENDS)}")
+    _backend = backend
+
+
+def _default_rule(device: torch.device, needs_grad: bool) -> DeltaRule:
+    if _backend == "fla" or (_backend == "auto" and fla_usable(device, needs_grad)):
+        return _fla_varlen_rule
+    return _torch_varlen_rule
+
+
 def tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layout: TreeLayout,
     rule: DeltaRule | None = None,
@@ -220,14 +249,13 @@ def tree_gated_delta_rule(
         beta: (N, H) write strength.
         layout: The row's :class:`TreeLayout`.
         rule: A varlen rule ``(q, k, v, g, beta, initial_state, cu_seqlens, max_len) -> (out, final)``;
-            default fla where :func:`fla_usable`, else the torch reference.
+            default the one :func:`select_delta_rule` chose.
 
     Returns:
         (N, H, V) outputs in row order.
     """
     if rule is None:
-        use_fla = fla_usable(q.device, torch.is_grad_enabled() and q.requires_grad)
-        rule = _fla_varlen_rule if use_fla else _torch_varlen_rule
+        rule = _default_rule(q.device, torch.is_grad_enabled() and q.requires_grad)
     heads, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
     outs: list[torch.Tensor] = []
     states: torch.Tensor | None = None

@@ -25,6 +25,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from trainer.exceptions import UnsupportedModelError
+from trainer.training.gated_deltanet import TreeLayout, enable_tree_gated_deltanet, gated_deltanet_modules
 from trainer.training.packing import PackedRow
 
 __all__ = [
@@ -45,10 +47,6 @@ TREE_ATTENTION = "toolgym_tree"
 
 FLEX_BLOCK_SIZE = 128
 """Tile size of the FlexAttention block mask (FlexAttention's default)."""
-
-
-class UnsupportedModelError(TypeError):
-    """The model has layers that tree attention cannot run correctly (yet)."""
 
 
 def dense_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> torch.Tensor:
@@ -171,20 +169,25 @@ def tree_attention_forward(
 
 
 def check_tree_attention_support(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` when ``model`` has layers tree attention would run wrongly.
+    """Raise :class:`UnsupportedModelError` when ``model`` has layers tree packing would run wrongly.
 
-    Refused: recurrent or linear-attention layers (Gated DeltaNet hybrids such as Qwen3-Next, Mamba
-    hybrids: they must scan along each segment's own path), sliding-window layers, attention sinks,
-    attention logit soft-capping and attention dropout.
+    Supported: full-attention layers (tree attention) and Gated DeltaNet layers (Qwen3.5, Qwen3.6,
+    Qwen3-Next: :mod:`trainer.training.gated_deltanet`). Refused: other recurrent or linear-attention
+    layers (Mamba2, short convolutions), sliding-window layers, attention sinks, attention logit
+    soft-capping and attention dropout.
     """
     config = model.config.get_text_config()
     name = type(model).__name__
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    if layer_types - {"full_attention"}:
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    num_linear = layer_types.count("linear_attention")
+    if num_linear and len(gated_deltanet_modules(model)) != num_linear:
+        other.append("linear_attention (not a Gated DeltaNet module)")
+    if other:
         raise UnsupportedModelError(
-            f"{name} has layers of type {sorted(layer_types - {'full_attention'})}; tree packing supports only "
-            "full-attention layers (recurrent / linear-attention hybrids such as Gated DeltaNet are not supported "
-            "yet). Train it with share_prefixes=False and a stock attention implementation."
+            f"{name} has layers of type {other}; tree packing runs full-attention and Gated DeltaNet layers "
+            "(Qwen3, Qwen3.5/3.6, Qwen3-Next, Llama-style models) but not these, so this trainer cannot train "
+            "this model family yet: pick a model of a supported family"
         )
     if not layer_types and getattr(config, "sliding_window", None):
         raise UnsupportedModelError(f"{name} uses sliding-window attention, which tree attention does not implement")
@@ -212,6 +215,7 @@ def enable_tree_attention(model: nn.Module) -> nn.Module:
     check_tree_attention_support(model)
     AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
     model.set_attn_implementation(TREE_ATTENTION)
+    enable_tree_gated_deltanet(model)
     return model
 
 
@@ -236,11 +240,16 @@ def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
         raise ValueError(f"{type(core).__name__} does not use tree attention: call enable_tree_attention(model) first")
     captured: list[torch.Tensor] = []
     hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+    mask: object = tree_mask(row)
+    window = getattr(core.config.get_text_config(), "linear_conv_kernel_dim", None)
+    if window and "linear_attention" in (getattr(core.config.get_text_config(), "layer_types", None) or []):
+        # Hybrids take one mask per layer type: the Gated DeltaNet layers read the row's trie layout.
+        mask = {"full_attention": mask, "linear_attention": TreeLayout.from_row(row, window)}
     try:
         model(
             input_ids=row.input_ids[None],
             position_ids=row.position_ids[None],
-            attention_mask=tree_mask(row),
+            attention_mask=mask,
             use_cache=False,
             logits_to_keep=row.pred_index[:0],
         )

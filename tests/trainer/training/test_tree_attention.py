@@ -17,8 +17,6 @@ from transformers import (
     LlamaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
 )
 
 from trainer.records import TrainingSample, TrainingSequence
@@ -164,17 +162,8 @@ def test_flex_block_mask_matches_the_dense_mask() -> None:
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-def test_hybrid_and_sink_models_are_refused() -> None:
-    gated_delta_net = Qwen3NextForCausalLM(
-        Qwen3NextConfig(
-            **SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            num_experts=2, num_experts_per_tok=1, num_hidden_layers=2, linear_num_value_heads=2,
-            linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-        )
-    )
-    with pytest.raises(UnsupportedModelError, match="linear_attention.*Gated DeltaNet"):
-        enable_tree_attention(gated_delta_net)
+def test_sink_models_are_refused() -> None:
+    """(Recurrent families other than Gated DeltaNet: tests/trainer/training/test_gated_deltanet.py.)"""
     sinks = GptOssForCausalLM(
         GptOssConfig(
             **SMALL, num_local_experts=2, num_experts_per_tok=1, num_hidden_layers=1,
