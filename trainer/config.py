@@ -231,7 +231,8 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
-        for name, allowed in (("staleness_allowance", ("capacity", "source")), ("weight_sync_pause", ("keep", "reset"))):
+        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("keep", "reset")}
+        for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         if self.reward_timeout is not None and self.reward_timeout <= 0:

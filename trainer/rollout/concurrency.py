@@ -1,10 +1,15 @@
 """The rollout worker's three concurrency limits (SPEC §2).
 
-1. **Staleness allowance** (:class:`TokenAllowance`): the trainer publishes how many tokens the
-   worker may hold queued or in flight: ``max(max_staleness, 1)`` x the tokens its last step
-   consumed (before the first step, as if every row were full). A new group starts only when its
-   estimated tokens fit; at the very start one group runs at a time until the first finishes
-   (nothing is known about group sizes yet).
+1. **Staleness allowance**: the trainer publishes how many tokens the worker may hold queued or
+   in flight (:class:`StalenessAllowance`). The source's rule (``staleness_allowance="source"``):
+   ``max(max_staleness, 1)`` x the tokens its last step consumed (before the first step, as if
+   every row were full). The default (``"capacity"``) keeps a step of headroom below the drop
+   limit and counts what a *full* step takes, not what the last one happened to take:
+   ``max(max_staleness - 1, 1)`` x the step's forwarded-token capacity x the packing ratio (sample
+   tokens per forwarded token) measured over the last steps (see ``docs/pipeline.md``). In the
+   worker (:class:`TokenAllowance`) a new group starts only when its estimated tokens fit; at the
+   very start one group runs at a time until the first finishes (nothing is known about group
+   sizes yet).
 2. **Server load** (:class:`AdaptiveCap`): the cap on rollouts in flight starts at
    KV-cache tokens / ``max_model_len``; every poll of ``/metrics`` (5 s) grows it by 25 % while KV
    use is under 60 % and nothing waits (at most once per cap's worth of finished rollouts), and
@@ -25,8 +30,10 @@ cannot show a stall between two readings.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from trainer.rollout.sampler_client import ServerLoad
 
@@ -34,6 +41,10 @@ GROW_BELOW = 0.60
 SHRINK_ABOVE = 0.80
 GROW_FACTOR = 1.25
 SHRINK_FACTOR = 0.70
+PACKING_RATIO_STEPS = 8  # steps over which the packing ratio of the "capacity" rule is measured
+
+AllowanceRule = Literal["source", "capacity"]
+ALLOWANCE_RULES: tuple[AllowanceRule, ...] = ("source", "capacity")
 
 
 class AdaptiveCap:
@@ -158,3 +169,50 @@ class TokenAllowance:
         self.produced += tokens_queued
         self._finished_groups += 1
         self._finished_tokens += tokens_generated_total
+
+
+class StalenessAllowance:
+    """The trainer's side of limit (1): how many sample tokens the worker may hold queued or in flight.
+
+    Args:
+        rule: ``"source"`` (SPEC §2: ``max(max_staleness, 1)`` x the tokens the last step consumed)
+            or ``"capacity"`` (``max(max_staleness - 1, 1)`` x what a full step takes).
+        max_staleness: The drop limit, in policy versions.
+        step_capacity: Forwarded tokens one step can take (token budget x rows x micro-batches).
+
+    Under ``"source"`` a worker faster than the trainer fills ``max_staleness`` steps of queue, so
+    every sample is trained right at the drop limit and any jitter (a step that packs fewer
+    samples, a group in flight across a sync) drops it. A step that took little because little
+    was queued also shrinks the next allowance, although a longer queue would have been taken.
+    ``"capacity"`` measures a step in what it can take (its forwarded-token capacity times the
+    sample tokens packed per forwarded token) and keeps one step of lag in hand.
+    """
+
+    def __init__(self, rule: AllowanceRule, max_staleness: int, step_capacity: int) -> None:
+        if rule not in ALLOWANCE_RULES:
+            raise ValueError(f"staleness allowance rule {rule!r} is not one of {ALLOWANCE_RULES}")
+        self.rule = rule
+        self.step_capacity = step_capacity
+        self.steps_ahead = max(max_staleness, 1) if rule == "source" else max(max_staleness - 1, 1)
+        self._packing: collections.deque[tuple[int, int]] = collections.deque(maxlen=PACKING_RATIO_STEPS)
+
+    @property
+    def initial(self) -> int:
+        """The allowance before the first step: every row full, one sample token per forwarded token."""
+        return self.steps_ahead * self.step_capacity
+
+    @property
+    def packing_ratio(self) -> float:
+        """Sample tokens packed per forwarded token over the last steps (1 before any)."""
+        packed = sum(p for p, _ in self._packing)
+        forwarded = sum(f for _, f in self._packing)
+        return packed / forwarded if forwarded else 1.0
+
+    def after_step(self, consumed: int, packed: int, forwarded: int) -> int:
+        """The allowance after a step that took ``consumed`` sample tokens off the queue and packed
+        ``packed`` of them into ``forwarded`` forwarded tokens."""
+        if self.rule == "source":
+            return self.steps_ahead * consumed
+        if forwarded > 0:
+            self._packing.append((packed, forwarded))
+        return max(int(self.steps_ahead * self.step_capacity * self.packing_ratio), 1)

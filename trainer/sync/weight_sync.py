@@ -2,12 +2,20 @@
 
 One sync is vLLM's standard sequence, timed per phase::
 
-    POST /pause?mode=keep              running requests keep their state; new tokens wait
+    POST /pause?mode=keep&clear_cache=false   no new tokens; running requests keep their KV cache
     POST /start_weight_update
-    POST /update_weights  (x chunks)   the backend moves the tensors
-    POST /finish_weight_update         with the new policy version as weight_version
-    POST /reset_prefix_cache           cached prefixes were computed with the old weights
+    POST /update_weights  (x chunks)          the backend moves the tensors
+    POST /finish_weight_update                with the new policy version as weight_version
+    POST /reset_prefix_cache                  cached prefixes were computed with the old weights
     POST /resume
+
+The pause mode is ``weight_sync_pause``: ``"keep"`` (above) or ``"reset"``, the source's
+``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV cache and so preempts
+every running request: each one recomputes its whole prefix after the sync (hundreds of prefills
+at once under load), and the pause itself grows with the requests it preempts. With ``"keep"``
+the prefix-cache reset succeeds only when no request holds KV blocks (vLLM refuses it
+otherwise); a request that reuses an older prefix is still trained correctly, as its sampler
+log-probs are those of the weights that produced it (``docs/pipeline.md``).
 
 Backends (chosen to match the server's ``--weight-transfer-config``):
 
@@ -81,9 +89,10 @@ class VLLMAdminClient:
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
 
-    def pause(self, mode: str = "keep") -> None:
-        """Stop scheduling new tokens; ``keep`` preserves running requests' state."""
-        self.request("POST", f"/pause?mode={mode}")
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Stop scheduling new tokens; ``keep`` preserves running requests' state, and
+        ``clear_cache`` resets the KV cache (which preempts every running request)."""
+        self.request("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
     def resume(self) -> None:
         """Resume generation after :meth:`pause`."""
@@ -312,6 +321,9 @@ class SyncTimings:
         return self.pause_s + self.transfer_s + self.resume_s
 
 
+PAUSE_MODES = ("keep", "reset")
+
+
 class WeightSynchronizer:
     """Runs one sync: pause, transfer, finish with the version, reset prefix cache, resume.
 
@@ -320,12 +332,18 @@ class WeightSynchronizer:
         sender: The backend.
         manifest: Names and shapes of the served checkpoint (see :func:`checkpoint_manifest`);
             checked before anything reaches the server.
+        pause_mode: ``"keep"`` (running requests keep their KV cache) or ``"reset"`` (the
+            source's pause: the KV cache is cleared, preempting every running request).
     """
 
-    def __init__(self, client: VLLMAdminClient, sender: WeightSender, manifest: dict[str, tuple[int, ...]] | None = None) -> None:
+    def __init__(self, client: VLLMAdminClient, sender: WeightSender,
+                 manifest: dict[str, tuple[int, ...]] | None = None, pause_mode: str = "keep") -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
         self.client = client
         self.sender = sender
         self.manifest = manifest or {}
+        self.pause_mode = pause_mode
         self._initialised = False
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
@@ -336,7 +354,7 @@ class WeightSynchronizer:
             self.sender.init()
             self._initialised = True
         t0 = time.perf_counter()
-        self.client.pause("keep")
+        self.client.pause("keep", clear_cache=self.pause_mode == "reset")
         t1 = time.perf_counter()
         try:
             self.sender.transfer(weights, version)

@@ -1,4 +1,4 @@
-"""The rollout worker's concurrency limits (SPEC §2): the adaptive cap and the token allowance."""
+"""The rollout worker's concurrency limits (SPEC §2): the adaptive cap and the token allowance (both rules)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
+from trainer.rollout.concurrency import PACKING_RATIO_STEPS, AdaptiveCap, StalenessAllowance, TokenAllowance
 from trainer.rollout.sampler_client import ServerLoad
 
 IDLE = ServerLoad(kv_cache_usage=0.3, running=1, waiting=0, preemptions=0)
@@ -367,3 +367,45 @@ def test_mean_in_flight_sees_a_stall_between_two_instants():
         return cap.take_mean_in_flight()
 
     assert asyncio.run(scenario()) == pytest.approx((2 * 1 + 0 * 8 + 2 * 1) / 10)
+
+
+# --- StalenessAllowance: the trainer's side of the allowance ------------------------------------
+
+@pytest.mark.parametrize(("max_staleness", "source_steps", "capacity_steps"), [
+    (4, 4, 3), (2, 2, 1), (1, 1, 1), (0, 1, 1),
+])
+def test_allowance_rules_steps_ahead(max_staleness, source_steps, capacity_steps):
+    source = StalenessAllowance("source", max_staleness, step_capacity=1000)
+    capacity = StalenessAllowance("capacity", max_staleness, step_capacity=1000)
+    assert (source.initial, capacity.initial) == (source_steps * 1000, capacity_steps * 1000)
+
+
+def test_source_rule_follows_the_last_step_consumption():
+    rule = StalenessAllowance("source", 4, step_capacity=1000)
+    assert rule.after_step(consumed=11_000, packed=11_000, forwarded=1000) == 44_000
+    assert rule.after_step(consumed=200, packed=200, forwarded=20) == 800  # a short queue shrinks it
+
+
+def test_capacity_rule_counts_a_full_step_in_sample_tokens():
+    """A row of 1,000 forwarded tokens packs 11,000 sample tokens: a full step takes 11x its capacity,
+    and a step that took little because little was queued does not shrink the allowance."""
+    rule = StalenessAllowance("capacity", 4, step_capacity=1000)
+    assert rule.after_step(consumed=11_000, packed=11_000, forwarded=1000) == 3 * 11_000
+    assert rule.after_step(consumed=220, packed=220, forwarded=20) == 3 * 11_000
+    assert rule.packing_ratio == pytest.approx(11.0)
+
+
+def test_capacity_rule_ignores_stale_drops_and_follows_recent_packing():
+    rule = StalenessAllowance("capacity", 4, step_capacity=1000)
+    # 5,000 tokens taken off the queue, of which only 2,000 packed (the rest dropped as stale):
+    # the ratio is of what was packed, so drops do not inflate the allowance.
+    assert rule.after_step(consumed=5000, packed=2000, forwarded=1000) == 3 * 2000
+    for _ in range(PACKING_RATIO_STEPS):  # the old step leaves the window
+        allowance = rule.after_step(consumed=4000, packed=4000, forwarded=1000)
+    assert allowance == 3 * 4000
+    assert rule.after_step(consumed=10, packed=0, forwarded=0) == 3 * 4000  # an empty step changes nothing
+
+
+def test_allowance_rule_is_checked():
+    with pytest.raises(ValueError, match="'fast' is not one of"):
+        StalenessAllowance("fast", 4, step_capacity=1000)  # type: ignore[arg-type]

@@ -1,0 +1,69 @@
+"""The weight sync's pause modes on the real vLLM CPU server, with requests running through the sync.
+
+``"reset"`` (the source's ``/pause?mode=keep``, which clears the KV cache) preempts every running
+request; ``"keep"`` (``clear_cache=false``) preempts none. Both finish every request in full.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from toolgym.launch.vllm_server import VLLMServer
+from trainer.rollout.sampler_client import ServerLoad, parse_prometheus, server_load
+from trainer.sync.weight_sync import (
+    SharedMemorySender,
+    VLLMAdminClient,
+    WeightSynchronizer,
+    checkpoint_manifest,
+)
+
+REQUESTS = 6
+LONG = 600  # tokens per request: long enough to be running when the sync comes
+
+
+def _load(base_url: str) -> ServerLoad:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as r:
+        return server_load(parse_prometheus(r.read().decode()))
+
+
+def _long_completion(base_url: str, model: str, i: int) -> int:
+    body = {"model": model, "prompt": [5, 6, 7, 8 + i], "max_tokens": LONG, "ignore_eos": True, "seed": i}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return int(json.load(r)["usage"]["completion_tokens"])
+
+
+@pytest.mark.parametrize(("mode", "preempts"), [("reset", True), ("keep", False)])
+def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tiny_model_dir: Path,
+                         restore_served_weights: WeightSynchronizer) -> None:
+    base = vllm_server.base_url
+    admin = VLLMAdminClient(base, timeout_s=120)
+    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir), pause_mode=mode)
+    weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
+    model = admin.request("GET", "/v1/models")["data"][0]["id"]
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        futures = [pool.submit(_long_completion, base, model, i) for i in range(REQUESTS)]
+        deadline = time.monotonic() + 120
+        while (load := _load(base)).running < REQUESTS:  # every request holds KV blocks
+            assert time.monotonic() < deadline, f"only {load.running} of {REQUESTS} requests ever ran"
+            assert not any(f.done() for f in futures), "a request finished before the sync"
+            time.sleep(0.05)
+        before = load.preemptions
+        sync.sync(weights, version=1)
+        after = _load(base).preemptions
+        assert not any(f.done() for f in futures), "a request finished during the sync: the test proves nothing"
+        lengths = [f.result(timeout=300) for f in futures]
+    assert lengths == [LONG] * REQUESTS
+    if preempts:
+        assert after - before >= REQUESTS
+    else:
+        assert after == before
