@@ -3,12 +3,14 @@ subprocess) against bubblewrap, and of grading a 4-test solution, measured inter
 
     .venv/bin/python bench/sandbox/bench_sandbox.py [RUNS]
 
-Prints one line per case and the bubblewrap / weak ratios (bench/sandbox/README.md has figures).
+Prints one line per case with the bubblewrap / weak ratio, then bare interpreter starts for scale
+(bench/sandbox/README.md has figures).
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +37,11 @@ def _cases(mode: Isolation) -> dict[str, Callable[[], object]]:
     return {"run_python(print(1))": run, "score_tests(4 tests)": grade}
 
 
+def _bare(flags: list[str]) -> Callable[[], object]:
+    """A bare interpreter start with ``flags``, for scale: what any subprocess-per-run design pays."""
+    return lambda: subprocess.run([sys.executable, *flags, "-c", "print(1)"], capture_output=True, check=True)
+
+
 def main(runs: int) -> None:
     """Time ``runs`` calls of each case in each mode, alternating modes call by call."""
     cases = {mode: _cases(mode) for mode in Isolation}
@@ -47,6 +54,13 @@ def main(runs: int) -> None:
                 start = time.perf_counter()
                 cases[mode][name]()
                 times.setdefault((mode, name), []).append(time.perf_counter() - start)
+    bare = {"python -I": _bare(["-I"]), "python -I -S": _bare(["-I", "-S"])}
+    bare_times: dict[str, list[float]] = {name: [] for name in bare}
+    for _ in range(runs):
+        for name, call in bare.items():
+            start = time.perf_counter()
+            call()
+            bare_times[name].append(time.perf_counter() - start)
     print(f"{'case':<24} {'weak ms':>9} {'bwrap ms':>9} {'ratio':>6}   (median of {runs}, p90 in brackets)")
     for name in cases[Isolation.WEAK]:
         weak, bwrap = (times[(mode, name)] for mode in (Isolation.WEAK, Isolation.BWRAP))
@@ -54,6 +68,8 @@ def main(runs: int) -> None:
         p90 = [statistics.quantiles(t, n=10)[-1] * 1e3 for t in (weak, bwrap)]
         print(f"{name:<24} {med_weak:>9.1f} {med_bwrap:>9.1f} {med_bwrap / med_weak:>6.2f}"
               f"   [{p90[0]:.1f} / {p90[1]:.1f}]")
+    for name, samples in bare_times.items():
+        print(f"bare {name:<19} {statistics.median(samples) * 1e3:>9.1f}   (no sandbox, for scale)")
 
 
 if __name__ == "__main__":

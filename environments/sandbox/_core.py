@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import logging
+import marshal
 import os
 import site
 import sys
@@ -124,8 +124,7 @@ def _check_bwrap() -> None:
     if _bwrap.executable() is None:
         raise IsolationUnavailableError(f"the sandbox needs bubblewrap (bwrap), which is not on PATH: {hint}")
     limits = Limits(wall_seconds=60.0)
-    probe = launch(Isolation.BWRAP, limits, BOOT_SOURCE, json.dumps(boot_config(Isolation.BWRAP, limits, "run")),
-                   b"pass\n")
+    probe = launch(Isolation.BWRAP, limits, BOOT_SOURCE, boot_argument(Isolation.BWRAP, limits, "run"), b"pass\n")
     if probe.exit_code != 0:
         detail = probe.output.decode(errors="replace").strip()
         raise IsolationUnavailableError(f"bubblewrap cannot start a sandbox here ({detail}): {hint}")
@@ -148,6 +147,11 @@ def boot_config(mode: Isolation, limits: Limits, run_mode: str) -> dict[str, obj
             "processes": limits.processes if mode is Isolation.BWRAP else None,
             "hook": mode is Isolation.WEAK, "user": _bwrap.UID if mode is Isolation.BWRAP else None,
             "mode": run_mode}
+
+
+def boot_argument(mode: Isolation, limits: Limits, run_mode: str) -> str:
+    """``boot_config`` encoded as ``_boot.py`` reads it (hex of ``marshal``: no import to decode it)."""
+    return marshal.dumps(boot_config(mode, limits, run_mode)).hex()
 
 
 def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: bytes,
@@ -192,8 +196,7 @@ def run_python(code: str, limits: Limits = DEFAULT_LIMITS, mode: Isolation | Non
             when bubblewrap cannot run and weak mode was not chosen).
     """
     mode = mode or isolation()
-    finished = launch(mode, limits, BOOT_SOURCE, json.dumps(boot_config(mode, limits, "run")),
-                      code.encode("utf-8", "replace"))
+    finished = launch(mode, limits, BOOT_SOURCE, boot_argument(mode, limits, "run"), code.encode("utf-8", "replace"))
     output = finished.output[: limits.output_bytes].decode("utf-8", errors="replace")
     if len(finished.output) > limits.output_bytes:
         output += "\n[output truncated]"
