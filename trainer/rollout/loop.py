@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import multiprocessing
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -379,7 +380,15 @@ class AsyncRolloutLoop:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _wait_stop(self) -> None:
+        trainer = multiprocessing.parent_process()  # None when the loop runs in the trainer's process (tests)
         while not self.channels.stop.is_set():
+            if trainer is not None and not trainer.is_alive():
+                logger.warning("the trainer process is gone (killed?): the rollout worker stops")
+                # No one reads the queues any more: exiting must not wait to flush them (their
+                # feeder threads block on full pipes).
+                for q in (self.channels.rollout_buffer, self.channels.metrics_queue, self.channels.exception_queue):
+                    q.cancel_join_thread()
+                return
             await asyncio.sleep(0.1)
 
     async def _heartbeat(self) -> None:
