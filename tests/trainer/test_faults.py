@@ -98,8 +98,10 @@ class _StopAfter(TrainerCallback):
     def __init__(self, event: Any, steps: int) -> None:
         self.event, self.steps = event, steps
         self.seen_at_step: int | None = None
+        self.step_ends: list[float] = []  # monotonic time of each step end
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step_ends.append(time.monotonic())
         if self.seen_at_step is None and self.event():
             self.seen_at_step = state.global_step
         if self.seen_at_step is not None and state.global_step >= self.seen_at_step + self.steps:
@@ -129,6 +131,10 @@ def test_env_server_killed_mid_episode_fails_over_to_the_replica(
         "training went on after A died"
     assert _total(trainer, "rollout/env_retry_count") >= 1, "the rollout caught on A started over on B"
     assert _total(trainer, "rollout/failed_count") == 0, "no rollout was lost"
+    after = [t for t in stop.step_ends if t > watch.died_at]  # type: ignore[operator]
+    print(f"replica A SIGKILLed mid-get_reward; {_total(trainer, 'rollout/env_retry_count'):g} rollouts restarted "
+          f"on B, 0 lost; the next step ended {after[0] - watch.died_at:.1f} s after the kill; "
+          f"{trainer.state.global_step} steps")
 
 
 def test_env_server_killed_and_restarted_without_replica_resumes_the_run(
@@ -148,6 +154,10 @@ def test_env_server_killed_and_restarted_without_replica_resumes_the_run(
     assert trainer.state.global_step == stop.seen_at_step + 2  # type: ignore[operator]
     assert _total(trainer, "rollout/env_retry_count") >= 1
     assert _total(trainer, "rollout/failed_count") == 0
+    after = [t for t in stop.step_ends if t > watch.restarted_at]  # type: ignore[operator]
+    print(f"the only server SIGKILLed mid-get_reward, back {watch.restarted_at - watch.died_at:.1f} s later; "  # type: ignore[operator]
+          f"{_total(trainer, 'rollout/env_retry_count'):g} rollouts restarted, 0 lost; the next step ended "
+          f"{after[0] - watch.died_at:.1f} s after the kill")  # type: ignore[operator]
 
 
 def test_env_server_killed_without_replica_stops_the_run_naming_it(
@@ -163,6 +173,8 @@ def test_env_server_killed_without_replica_stops_the_run_naming_it(
     assert watch.died_at is not None
     # A resume attempt (3 s), then a new session's attempt (3 s), then the worker's traceback.
     assert stopped_at - watch.died_at < 30, f"stopped {stopped_at - watch.died_at:.1f} s after the server died"
+    print(f"the only server SIGKILLed, not restarted: the run stopped {stopped_at - watch.died_at:.1f} s later "
+          f"with: {str(info.value).strip().splitlines()[-1]}")
     assert trainer.worker is None
 
 
@@ -187,6 +199,8 @@ def test_a_reward_that_hangs_on_one_prompt_is_timed_out_and_the_run_goes_on(
     trainer.train()
     assert sum(timed_out) >= 1, "row 1's group timed out"
     assert trainer.state.global_step < 30, "the run stopped on the event, not on the step cap"
+    print(f"reward hanging on row 1, reward_timeout=2 s: {sum(timed_out):g} groups timed out, the run trained "
+          f"{trainer.state.global_step} steps")
 
 
 def test_a_reward_that_always_hangs_stops_the_run_within_seconds(
@@ -199,6 +213,8 @@ def test_a_reward_that_always_hangs_stops_the_run_within_seconds(
                                                  r"reward_timeout=1 s in 3 groups in a row"):
         trainer.train()
     assert time.monotonic() - t0 < 120
+    print(f"reward hanging on every group, reward_timeout=1 s: train() raised after {time.monotonic() - t0:.1f} s "
+          "(trainer start included)")
     assert trainer.worker is None
 
 
@@ -207,9 +223,11 @@ def test_a_reward_that_raises_stops_the_run_naming_it(
 ) -> None:
     trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=exploding_reward, train_dataset=_dataset(12),
                                args=_config(tmp_path, vllm_server))
+    t0 = time.monotonic()
     with pytest.raises(RolloutWorkerError, match=r"RewardFunctionError: reward function 'exploding_reward' raised "
                                                  r"ZeroDivisionError: the grader divided by zero on purpose"):
         trainer.train()
+    print(f"raising reward: train() raised after {time.monotonic() - t0:.1f} s (trainer start included)")
     assert trainer.worker is None
 
 
@@ -253,10 +271,11 @@ def test_trainer_killed_mid_step_resumes_from_its_checkpoint_without_losing_or_r
         proc.kill()
     # The orphaned rollout worker notices its trainer is gone and exits instead of generating for no one.
     worker = next(r["pid"] for r in _records(first) if r["event"] == "worker")
-    deadline = time.monotonic() + 60
+    killed_at = time.monotonic()
     while _running(worker):
-        assert time.monotonic() < deadline, "the rollout worker outlived its killed trainer by 60 s"
+        assert time.monotonic() < killed_at + 60, "the rollout worker outlived its killed trainer by 60 s"
         time.sleep(0.1)
+    worker_exit_s = time.monotonic() - killed_at
     checkpoint = get_last_checkpoint(str(out))
     assert checkpoint is not None
     saved_step = int(checkpoint.rsplit("-", 1)[1])
@@ -281,6 +300,9 @@ def test_trainer_killed_mid_step_resumes_from_its_checkpoint_without_losing_or_r
     random.Random(42).shuffle(order)  # the epoch-0 order (AsyncGRPOConfig's seed 42)
     done = set(range(state["first_untrained_position"])) | set(state["done_positions"])
     assert {order[p] for p in done} <= before | after, "a done prompt was never trained"
+    print(f"trainer SIGKILLed in step {saved_step + 1} (its worker exited {worker_exit_s:.1f} s later); resumed from "
+          f"checkpoint-{saved_step}: {len(before)} prompts trained before it, {len(after)} after, 0 twice, "
+          f"{len(done)} done and none missing")
 
 
 # --------------------------------------------------------------------------- disk full while saving
@@ -323,8 +345,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint_usable(
     trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=rank_reward, train_dataset=_dataset(40),
                                args=args, callbacks=[FillTheDiskAfterTheFirstSave()])
     with pytest.raises(CheckpointSaveError, match=r"saving checkpoint-2 .* failed \(.*No space left on device.*"
-                                                  r"the newest usable checkpoint is .*checkpoint-1"):
+                                                  r"the newest usable checkpoint is .*checkpoint-1") as info:
         trainer.train()
+    print(f"disk full at checkpoint-2: {info.value}")
     assert trainer.worker is None
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".vllm")) == ["checkpoint-1"], \
         "no partial checkpoint-2 and no staging directory left"
