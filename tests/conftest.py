@@ -71,15 +71,15 @@ def restore_served_weights(vllm_server: VLLMServer, tiny_model_dir: Path) -> Ite
 
 
 @pytest.fixture(scope="session")
-def warm_counter_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def warm_counter_model_dir() -> Path:
     """The tiny model warm-started on counter transcripts exactly as ``make demo`` builds it (seed 0).
 
-    Built once per session (about two minutes of one CPU thread); the end-to-end tests and the
-    ``bench/e2e`` scripts measure this same model.
+    Built once per machine in the repository's ``.cache/`` (about two minutes of one CPU thread), the
+    same folder ``make demo`` and the README walkthrough use, so the suite builds it once.
     """
     from toolgym.cli.demo import warm_model
 
-    return warm_model(tmp_path_factory.mktemp("warm-counter"), seed=0)
+    return warm_model(Path(__file__).resolve().parents[1] / ".cache", seed=0)
 
 
 @pytest.fixture(scope="session")
