@@ -44,6 +44,7 @@ from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
 from trainer.rollout.concurrency import StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.prompt_order import first_row_columns, is_stream
 from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_server_info
 from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.tool_runner import tools_from_functions
@@ -102,7 +103,7 @@ def _check_picklable(**objects: Any) -> None:
 def _validate_dataset(dataset: Any, has_env: bool) -> None:
     if dataset is None:
         return
-    columns = getattr(dataset, "column_names", None) or []
+    columns = first_row_columns(dataset)
     if "prompt" not in columns:
         if not has_env:
             raise ConfigError(f"train_dataset has no 'prompt' column (columns: {columns}); give conversational "
@@ -338,6 +339,11 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
         if world > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
+        streaming = is_stream(self.rollout_dataset)
+        if streaming and (start or done):
+            logger.warning("train_dataset is a stream, which cannot be repositioned: the rollout worker starts "
+                           "again from its first prompt (the checkpoint had trained up to position %d)", start)
+            start, done = 0, []
             if not self.is_world_process_zero():
                 self.feed.wait_ready()
                 return self.feed
@@ -352,7 +358,9 @@ class AsyncGRPOTrainer(Trainer):
         ctx = spawn_context()
         self._allowance = StalenessAllowance(args.staleness_allowance, args.max_staleness,
                                              token_budget * world * args.gradient_accumulation_steps)
-        channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version)
+        channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
+                                         epoch_size=0 if self.rollout_dataset is None or streaming
+                                         else len(self.rollout_dataset))
         self._adapter_sync = self._make_adapter_sync(admin)
         if self._adapter_sync is None:
             self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest(),
@@ -373,12 +381,15 @@ class AsyncGRPOTrainer(Trainer):
         loop_kwargs.update(self.rollout_loop_kwargs())
         self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
         self.worker.start()
-        stop = None
+        stop, stop_epochs = None, None
         if not self._explicit_max_steps and self.rollout_dataset is not None:
-            stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
+            if streaming:  # its size is known once the worker's first pass ends
+                stop_epochs = args.num_train_epochs
+            else:
+                stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
                                        start_position=start, stop_position=stop, keep_samples=args.log_completions,
-                                       done_positions=done)
+                                       done_positions=done, stop_epochs=stop_epochs)
         self.stream.policy_version = version
         if self.feed is not None:
             self.feed.mark_ready()
@@ -536,7 +547,10 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             m.add_records(self.worker.drain_metrics())
         if self.rollout_dataset is not None:
-            self.state.epoch = self._step_feed_state.first_untrained / len(self.rollout_dataset)
+            size = (len(self.rollout_dataset) if not is_stream(self.rollout_dataset)
+                    else self.worker.epoch_size() if self.worker is not None else None)
+            if size:
+                self.state.epoch = self._step_feed_state.first_untrained / size
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the window's pipeline metrics to the Trainer's logs (loss, grad_norm, learning_rate)."""

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from trainer.exceptions import ConfigError
+from trainer.rollout.prompt_order import first_row_columns
 
 __all__ = ["check_construction", "check_output_head"]
 
@@ -74,7 +75,7 @@ def check_output_head(model: nn.Module) -> None:
 def _check_routing(environment_factory: Any, train_dataset: Any) -> None:
     if not isinstance(environment_factory, dict) or train_dataset is None:
         return
-    columns = list(getattr(train_dataset, "column_names", None) or [])
+    columns = first_row_columns(train_dataset)
     names = sorted(environment_factory)
     if "environment" not in columns:
         raise ConfigError(

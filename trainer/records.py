@@ -221,6 +221,9 @@ class GroupSource(Protocol):
     def queued_samples(self) -> int:
         """Training samples put on the queue since the start (the worker's running count)."""
 
+    def epoch_size(self) -> int | None:
+        """Prompts per epoch, ``None`` until known (a stream's size is known after its first pass)."""
+
     def add_consumed_tokens(self, tokens: int) -> None:
         """Count ``tokens`` forwarded tokens as taken off the queue (the staleness allowance)."""
 

@@ -46,6 +46,10 @@ class QueueSource:
         """Samples put on the queue so far (the worker's running count)."""
         return self.samples_put
 
+    def epoch_size(self) -> int | None:
+        """Unknown (a stream before the end of its first pass)."""
+        return None
+
     def add_consumed_tokens(self, tokens: int) -> None:
         """Unused here."""
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import multiprocessing
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.sampler_client import SamplerClient, SamplingParams
+from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
 from trainer.rollout.server_info import CandidatePath, check_turn_length, truncates
 from trainer.rollout.scoring import (
     RewardRunner,
@@ -429,6 +430,7 @@ class AsyncRolloutLoop:
         """Send a group to the trainer with the metric records logged since the last one (its reward
         metrics, a curriculum's skip counts...): the step that receives it logs them."""
         queued.records = self.records.take()
+        self.channels.queued_samples.value += len(queued.samples)
         self.channels.rollout_buffer.put(queued)
 
     def _send_records(self) -> None:
@@ -437,35 +439,27 @@ class AsyncRolloutLoop:
             self.channels.metrics_queue.put(batch)
 
     # --------------------------------------------------------------------------- producing
-    def _prompt_stream(self) -> Any:
-        """Yields (position, row_index, row, epoch) from ``start_position`` on, forever."""
-        position = self.start_position
+    def _prompt_stream(self) -> Iterator[PromptRow]:
+        """Yields (position, row_index, row, epoch) from ``start_position`` on, forever
+        (:mod:`trainer.rollout.prompt_order`; a stream always from its first prompt)."""
         if self.dataset is None:
-            while True:
-                yield position, position, {}, 0
-                position += 1
-        n = len(self.dataset)
-        order: list[int] = []
-        order_epoch = -1
-        while True:
-            epoch, offset = divmod(position, n)
-            if epoch != order_epoch:
-                order = list(range(n))
-                random.Random(self.config.seed + epoch).shuffle(order)
-                order_epoch = epoch
-            row_index = order[offset]
-            yield position, row_index, dict(self.dataset[row_index]), epoch
-            position += 1
+            return ((position, position, {}, 0) for position in itertools.count(self.start_position))
+        if is_stream(self.dataset):
+            return stream_rows(self.dataset, self._report_epoch_size)
+        return map_style_rows(self.dataset, self.config.seed, self.start_position)
+
+    def _report_epoch_size(self, size: int) -> None:
+        self.channels.epoch_size.value = size
 
     async def _produce(self) -> None:
         rejected_in_a_row = 0
-        size = len(self.dataset) if self.dataset is not None else None
         for position, row_index, row, epoch in self._prompt_stream():
             if position in self.skip_positions:
                 continue  # trained before the checkpoint this run resumed from
             if not self.filter_prompt(row_index, row, epoch):
                 rejected_in_a_row += 1
-                if size is not None and rejected_in_a_row >= size:
+                size = self.channels.epoch_size.value  # known at start, or after a stream's first pass
+                if size > 0 and rejected_in_a_row >= size:
                     raise RolloutWorkerError("filter_prompt rejected every prompt of a whole epoch: "
                                              "no batch can ever reach the trainer")
                 self._put_group(QueuedGroup(position, row_index))
@@ -642,7 +636,6 @@ class AsyncRolloutLoop:
             self.records.add("rollout/score_s", time.monotonic() - t0)
             total_tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
             self.allowance.finished(queued.tokens, total_tokens)
-            self.channels.queued_samples.value += len(queued.samples)
             self._put_group(queued)
 
     def _score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int,

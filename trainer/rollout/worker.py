@@ -39,10 +39,12 @@ class WorkerChannels:
     failed: Any
     stop: Any
     queued_samples: Any  # training samples the worker has put on rollout_buffer (only the worker writes it)
+    epoch_size: Any  # prompts per epoch; 0 until known (a stream's size is known after its first pass)
 
     @classmethod
-    def create(cls, ctx: Any, initial_allowance: int, initial_version: int) -> WorkerChannels:
-        """Make the queues, values and events in multiprocessing context ``ctx``."""
+    def create(cls, ctx: Any, initial_allowance: int, initial_version: int, epoch_size: int = 0) -> WorkerChannels:
+        """Make the queues, values and events in multiprocessing context ``ctx`` (``epoch_size``: the
+        dataset's size when known, 0 for a stream or no dataset)."""
         return cls(
             rollout_buffer=ctx.Queue(),
             metrics_queue=ctx.Queue(),
@@ -54,6 +56,7 @@ class WorkerChannels:
             failed=ctx.Event(),
             stop=ctx.Event(),
             queued_samples=ctx.Value("q", 0, lock=False),
+            epoch_size=ctx.Value("q", epoch_size, lock=False),
         )
 
 
@@ -137,6 +140,10 @@ class RolloutWorker:
     def queued_samples(self) -> int:
         """Training samples the worker has queued since it started (``rollout/queue_size`` counts samples)."""
         return int(self.channels.queued_samples.value)
+
+    def epoch_size(self) -> int | None:
+        """Prompts per epoch, ``None`` until known (a stream's first pass has not ended yet)."""
+        return int(self.channels.epoch_size.value) or None
 
     def add_consumed_tokens(self, tokens: int) -> None:
         """Tell the worker's staleness allowance that the trainer took ``tokens`` more off the queue."""

@@ -81,13 +81,16 @@ class MicroBatchStream:
         done_positions: Positions past ``start_position`` the checkpoint counts as trained (the
             worker skips them too).
         stop_position: Prompt positions at or past this are not trained (the epoch limit); ``None``
-            for no limit.
+            for no limit (or, with ``stop_epochs``, until the worker knows the epoch size).
+        stop_epochs: For a stream: ``stop_position`` becomes ``stop_epochs`` x its epoch size once
+            the worker reports that size, before any prompt of its second pass arrives.
         keep_samples: Keep the trained samples until :meth:`take_trained_samples` (``log_completions``).
     """
 
     def __init__(self, worker: GroupSource, num_rows: int, token_budget: int, max_staleness: int,
                  metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None,
-                 keep_samples: bool = False, done_positions: Iterable[int] = ()) -> None:
+                 keep_samples: bool = False, done_positions: Iterable[int] = (),
+                 stop_epochs: float | None = None) -> None:
         self.worker = worker
         self.planner = RowPlanner(num_rows, token_budget)
         self.token_budget = token_budget
@@ -95,6 +98,7 @@ class MicroBatchStream:
         self.metrics = metrics
         self.policy_version = 0
         self.stop_position = stop_position
+        self.stop_epochs = stop_epochs
         self.progress = _Progress(first_untrained=start_position,
                                   done={p for p in done_positions if p > start_position})
         self._buffer: collections.deque[tuple[int, TrainingSample]] = collections.deque()
@@ -119,6 +123,8 @@ class MicroBatchStream:
         self.worker.add_consumed_tokens(group.tokens)
         self.tokens_consumed += group.tokens
         self._samples_received += len(group.samples)
+        if self.stop_position is None and self.stop_epochs is not None and self.worker.epoch_size():
+            self.stop_position = int(round(self.stop_epochs * (self.worker.epoch_size() or 0)))
         beyond = self.stop_position is not None and group.position >= self.stop_position
         if not group.samples or beyond:
             self.progress.finish(group.position)
