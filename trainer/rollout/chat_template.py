@@ -33,6 +33,8 @@ from typing import Any, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
+from trainer.exceptions import ConfigError
+
 __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
@@ -46,6 +48,7 @@ __all__ = [
     "build_assistant_message",
     "check_prefix_preserving",
     "parse_tool_calls",
+    "refuse_image_parts",
     "render_prompt_ids",
     "render_prompt_text",
     "synthetic_replies",
@@ -262,10 +265,30 @@ def render_prompt_text(
     chat_template: str | None = None,
     **chat_template_kwargs: Any,
 ) -> str:
-    """The text that :func:`render_prompt_ids` tokenizes (same arguments)."""
+    """The text that :func:`render_prompt_ids` tokenizes (same arguments); image parts are refused."""
+    refuse_image_parts(messages)
     return tokenizer.apply_chat_template(  # type: ignore[return-value]
         messages, tools=tools, chat_template=chat_template, add_generation_prompt=True, tokenize=False,
         **chat_template_kwargs)
+
+
+_IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image", "video", "video_url"})
+
+
+def refuse_image_parts(messages: list[dict[str, Any]]) -> None:
+    """Raise :class:`~trainer.exceptions.ConfigError` when a message holds an image (or video) part.
+
+    Vision-language models train on text only for now; an image part would otherwise be dropped or
+    mis-rendered by the chat template and the server would see a prompt the trainer never trains on.
+    """
+    for i, message in enumerate(messages):
+        parts = message.get("content") if isinstance(message, dict) else None
+        for part in parts if isinstance(parts, list) else []:
+            if isinstance(part, dict) and (part.get("type") in _IMAGE_PART_TYPES or {"image", "image_url"} & part.keys()):
+                raise ConfigError(
+                    f"message {i} ({message.get('role')!r}) has an image part ({part.get('type')!r}): images are not "
+                    "supported yet; vision-language models train on text only, so give prompts as text"
+                )
 
 
 # What a Qwen3-style template opens an assistant turn with when thinking is off.
