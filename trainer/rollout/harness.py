@@ -230,8 +230,8 @@ class CaptureServer:
             except web.HTTPRequestEntityTooLarge as exc:
                 raise OpenAIRequestError(f"request body over {self.max_request_bytes} bytes", 413,
                                          "request_too_large") from exc
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise OpenAIRequestError(f"the body is not JSON: {exc}") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # nesting too deep: Recursion
+                raise OpenAIRequestError(f"the body is not JSON that can be read: {type(exc).__name__}") from exc
             chat = parse_chat_request(body)
             if session.requests >= session.max_requests:
                 session.exhausted = True
