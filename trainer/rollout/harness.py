@@ -29,13 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
-import functools
 import json
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,7 @@ __all__ = ["CaptureServer", "CaptureSession", "SampleFunc"]
 
 logger = logging.getLogger(__name__)
 
-SampleFunc = Callable[[list[int], int | None, list[str]], Awaitable[TurnRecord]]
+SampleFunc = Callable[[list[int], int | None, list[str]], Coroutine[Any, Any, TurnRecord]]
 """``(prompt_ids, max_tokens or None, stop strings) -> TurnRecord``: one sampling request."""
 
 _FINISHED_KEPT = 65536  # secrets of finished rollouts remembered, to answer 404 rather than 401
@@ -303,7 +302,9 @@ class CaptureServer:
         are dropped (never shown, never trained). The tokens kept are distributed exactly as if the
         sampler had stopped there itself.
         """
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        def decode(ids: list[int]) -> str:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
         text = decode(turn.output_ids)
         if not any(s in text for s in stop):
             return turn, text

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sdk.tools import Tool
 from trainer.records import Rollout, TurnRecord
 from trainer.rollout.agents import AgentTask, check_agent, run_agent
 from trainer.rollout.harness import CaptureServer, CaptureSession
 from trainer.rollout.loop import AsyncRolloutLoop, RolloutFailed
+
+if TYPE_CHECKING:
+    from trainer.harness_trainer import HarnessAsyncGRPOConfig
 
 __all__ = ["HarnessRolloutLoop"]
 
@@ -41,6 +44,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         agent: The agent (see :func:`~trainer.rollout.agents.check_agent`).
         **kwargs: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`.
     """
+
+    config: HarnessAsyncGRPOConfig
 
     def __init__(self, *args: Any, agent: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -180,7 +180,7 @@ def _canonical_arguments(arguments: Any) -> str:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            return arguments
+            return str(arguments)
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
 

@@ -65,7 +65,7 @@ def test_an_openai_agent_trains_through_the_endpoint(
     assert len(steps) == STEPS and trainer.stream.policy_version == STEPS, "a weight sync per step"
     # Step 1 trains only samples of policy version 0, whose weights the trainer still holds: the
     # log-probs captured at the endpoint are the server's for exactly those tokens.
-    assert steps[0]["sampling/sampling_logp_difference/max"] < 0.05
+    assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-3  # measured: 5e-6
     assert steps[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.01)
     logged = {k for h in trainer.state.log_history for k in h}
     for name in ("agent/duration_s", "agent/requests_mean", "tools/call_frequency", "tools/increment/call_count",
