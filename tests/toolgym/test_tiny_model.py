@@ -85,3 +85,20 @@ def test_cli_main_builds_the_model(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main([str(tmp_path / "cli"), "--seed", "3"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_vl", "qwen3_next"])
+def test_hybrid_architectures_build_offline_and_load(arch: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    assert main([str(tmp_path / arch), "--arch", arch]) == 0
+    config = AutoConfig.from_pretrained(tmp_path / arch)
+    auto = AutoModelForImageTextToText if arch == "qwen3_5_vl" else AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path / arch)
+    text = config.get_text_config()
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert text.linear_key_head_dim == text.linear_value_head_dim == 128  # vLLM's CPU GDN kernel takes only 128
+    assert text.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path / arch)) == VOCAB_SIZE
+    assert any(n.startswith("model.visual.") for n, _ in model.named_parameters()) == (arch == "qwen3_5_vl")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert model(input_ids=ids).logits.shape == (1, 4, VOCAB_SIZE)
