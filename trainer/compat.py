@@ -62,7 +62,7 @@ def _check_peft_config(peft_config: Any) -> None:
 
 def check_output_head(model: nn.Module) -> None:
     """Refuse a model whose output head is wrapped (a PEFT adapter on ``lm_head``, however it got there)."""
-    base = model
+    base: Any = model
     while hasattr(base, "get_base_model") and base is not base.get_base_model():
         base = base.get_base_model()
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None

@@ -209,7 +209,7 @@ class SamplerClient:
                     if r.status == 200:
                         return
                     last = f"HTTP {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 last = repr(e)
             await asyncio.sleep(0.5)
         raise VLLMServerError(f"vLLM server at {self.base_url} not ready after {timeout_s:.0f} s ({last})")
@@ -246,7 +246,7 @@ class SamplerClient:
         """Current server load, or ``None`` when ``/metrics`` is unavailable."""
         try:
             return server_load(parse_prometheus(await self._metrics_text()))
-        except (aiohttp.ClientError, asyncio.TimeoutError, VLLMServerError):
+        except (TimeoutError, aiohttp.ClientError, VLLMServerError):
             return None
 
     async def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None,
@@ -270,13 +270,15 @@ class SamplerClient:
         if params.stop_token_ids:
             sampling["stop_token_ids"] = params.stop_token_ids
         name = model or await self.model_name()
+        body: dict[str, Any]
         if params.candidates == "sampling_mask":
             body = {"model": name, "token_ids": prompt_ids, "sampling_params": {**sampling, "detokenize": False}}
             return _generate_turn(prompt_ids, await self._post_with_retries(GENERATE_ROUTE, body), params.logprobs)
         body = {"model": name, "prompt": prompt_ids, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 **sampling}
         data = await self._post_with_retries("/v1/completions", body)
-        return self._turn(prompt_ids, data, params.logprobs, params.top_k if params.candidates == "processed_topk" else 0)
+        candidates_k = params.top_k if params.candidates == "processed_topk" else 0
+        return self._turn(prompt_ids, data, params.logprobs, candidates_k)
 
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = self.backoff_s
@@ -286,12 +288,13 @@ class SamplerClient:
                 async with self.session.post(f"{self.base_url}{path}", json=body) as r:
                     text = await r.text()
                     if r.status == 200:
-                        return await r.json(content_type=None)
+                        payload: dict[str, Any] = await r.json(content_type=None)
+                        return payload
                     if r.status < 500:
                         # A 4xx is the request's fault (too long a prompt, bad params): no retry.
                         raise VLLMServerError(f"POST {path} was refused with HTTP {r.status}", text)
                     problem = f"HTTP {r.status}: {text[:500]}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 problem = repr(e)
                 reused_connection_closed = isinstance(e, aiohttp.ServerDisconnectedError)
             if attempt == self.max_retries:

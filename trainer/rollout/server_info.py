@@ -64,7 +64,7 @@ class ServerInfo:
 def served_model_entry(models: dict[str, Any], configured: Any = None) -> dict[str, Any]:
     """The entry of ``/v1/models`` that is the base model (not a LoRA adapter the server also lists);
     ``configured``: the served name(s) when known."""
-    entries = list(models.get("data") or [])
+    entries: list[dict[str, Any]] = list(models.get("data") or [])
     if not entries:
         raise VLLMServerError("GET /v1/models listed no model")
     names = configured if isinstance(configured, list) else [configured] if configured else []

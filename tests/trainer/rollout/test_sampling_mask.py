@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from tests.trainer.spread_reward import token_reward
 from toolgym.launch.vllm_server import VLLMServer
-from trainer.exceptions import ConfigError, VLLMServerError
+from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.exceptions import ConfigError, RolloutWorkerError, VLLMServerError
 from trainer.records import TrainingSample, TurnRecord
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.sampler_client import SamplerClient, SamplingParams, _generate_turn
@@ -164,3 +167,18 @@ def test_the_sampling_mask_route_answer_gives_the_candidate_sets() -> None:
     data["choices"][0]["sampling_mask"] = [[5]]
     with pytest.raises(VLLMServerError, match="1 candidate sets for 2 tokens"):
         _generate_turn([1, 2], data, num_top=2)
+
+
+@pytest.mark.vllm
+def test_a_run_whose_turn_overflows_max_model_len_stops_with_the_error(
+    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(280))}]  # 1000-odd tokens: + 64 > 1024
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), vllm_server_base_url=vllm_server.base_url, max_steps=2, num_generations=2,
+        max_completion_length=64, report_to="none", use_cpu=True, gradient_checkpointing=False, save_strategy="no",
+        rollout_worker_timeout=60, vllm_server_timeout=60, disable_tqdm=True)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, args=args,
+                               train_dataset=Dataset.from_dict({"prompt": [long_prompt] * 2}))
+    with pytest.raises(RolloutWorkerError, match="context length is 1024 tokens.*max_completion_length=64 in"):
+        trainer.train()
