@@ -23,7 +23,17 @@ Sections (``--sections``, comma-separated):
 * ``memory``: peak memory of fwd+bwd on one 16,384-token row (every token but the first trained,
   vocabulary 151,936): the model without logits, the chunked log-probs + loss (fused and not),
   and a plain full-logits loss; with and without gradient checkpointing.
-* ``profile``: the CUDA kernels of one tree-packed fused step of the first shape, by total time.
+* ``profile``: the CUDA kernels of one tree-packed fused step of the first shape, by total time
+  (``--profile-compiled``: of the compiled step).
+* ``compiled``: Qwen3 0.6B, 1.7B and 4B shapes (``--models``): the same ``--steps`` rows, whose
+  length changes at every step (GRPO groups of random prompt and completion lengths, no warm-up per
+  length), trained eager and then with the decoder layers compiled (``compile_training_step``):
+  hardware FLOP utilisation (recomputation included) and MFU (``trainer.training.flops``) of the
+  steps without a compilation, against the bf16 matmul peak measured in the same run; the
+  compilations and the steps they stalled.
+* ``largest``: one full-parameter AdamW step on a 16,384-token row for Qwen3 8B and 14B shapes
+  (``--largest``), bf16 weights and optimizer state, and float32 master weights with bf16
+  autocast: peak memory, or OOM.
 """
 
 from __future__ import annotations
@@ -54,6 +64,16 @@ QWEN3_06B = {
     "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True,
     "max_position_embeddings": 40960,
+}
+QWEN3 = {  # the released Qwen3 dense shapes (config.json of each), random weights
+    "0.6B": QWEN3_06B,
+    "1.7B": {**QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144},
+    "4B": {**QWEN3_06B, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+           "num_attention_heads": 32},
+    "8B": {**QWEN3_06B, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "tie_word_embeddings": False},
+    "14B": {**QWEN3_06B, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+            "num_attention_heads": 40, "tie_word_embeddings": False},
 }
 TINY = {**QWEN3_06B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
@@ -351,6 +371,112 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
     return lines
 
 
+def measured_peak(device: str, n: int = 8192, repeats: int = 10) -> float:
+    """bf16 matmul FLOP/s of an ``n``-cubed product on random data (mean of ``repeats`` after 3 warm-ups)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    seconds = sync_time(lambda: [a @ b for _ in range(repeats)], device)
+    return 2 * n**3 * repeats / seconds
+
+
+def varying_rows(vocab: int, steps: int, budget: int, seed: int = 0, scale: int = 1) -> list[PackedRow]:
+    """A realistic sequence of one-row steps whose length changes every step: GRPO groups of a
+    600-1400-token prompt and 8 completions of 100-500 tokens each (lengths divided by ``scale``), as
+    many groups as fit ``budget``."""
+    rng, rows = random.Random(seed), []
+    for step in range(steps):
+        samples: list[TrainingSample] = []
+        tokens = 0
+        for g in range(16):
+            shape = Shape("", 1, rng.randrange(600 // scale, 1400 // scale), 8, 0)
+            lengths = [rng.randrange(100 // scale, 500 // scale) for _ in range(shape.completions)]
+            if tokens + shape.prompt + sum(lengths) > budget:
+                break
+            tokens += shape.prompt + sum(lengths)
+            prompt = [rng.randrange(vocab) for _ in range(shape.prompt)]
+            for n in lengths:
+                seq = TrainingSequence(prompt + [rng.randrange(vocab) for _ in range(n)], [0] * shape.prompt + [1] * n,
+                                       [0.0] * shape.prompt + [-2.0] * n)
+                samples.append(TrainingSample(seq, advantage=rng.uniform(-1, 1), group_id=g, policy_version=0))
+        rows.append(build_row(samples))
+    return rows
+
+
+def compiled_step(names: list[str], steps: int, budget: int, device: str, scale: int = 1) -> list[str]:
+    """Eager and compiled (``compile_decoder_layers``) fused steps over the same ``varying_rows``,
+    no warm-up per length: hardware FLOP utilisation (HFU: recomputation included, ``step_flops``)
+    and MFU (``trainer.training.flops``) against the measured bf16 peak; compile stalls counted."""
+    from trainer.training.compile import CompileTracker, compile_decoder_layers
+    from trainer.training.flops import FlopModel, row_flops
+
+    peak = measured_peak(device, n=8192 if device == "cuda" else 512)
+    print(f"measured bf16 peak: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    lines = []
+    for name in names:
+        spec = QWEN3.get(name, TINY)  # any other name: the tiny model (--tiny)
+        model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
+        flop_model = FlopModel.from_config(model.config)
+        rows = [r.to(device) for r in varying_rows(spec["vocab_size"], steps, budget, scale=scale)]
+        for mode in ("eager", "compiled"):
+            if mode == "compiled":
+                compile_decoder_layers(model)
+            tracker = CompileTracker(announce=False)
+            times, compiles = [], []
+            for row in rows:
+                times.append(sync_time(lambda row=row: train_step(model, row), device))
+                compiles.append(tracker.take())
+            tracker.close()
+            print(f"  {name} {mode}: {tracker.total_count} compilations, {tracker.graphs} graphs, "
+                  f"{tracker.total_s:.1f} s compiling", flush=True)
+            steady = [i for i, (_, count) in enumerate(compiles) if count == 0 and i > 0]
+            secs = sum(times[i] for i in steady)
+            hfu = sum(step_flops([rows[i]], spec, 3) for i in steady) / secs / peak
+            mfu = sum(row_flops(flop_model, rows[i]) for i in steady) / secs / peak
+            tps = sum(rows[i].num_unique_tokens for i in steady) / secs
+            stalls = [round(t, 1) for t, (_, c) in zip(times, compiles, strict=True) if c]
+            lines.append(f"| {name} | {mode} | {len(rows)} | {min(r.num_unique_tokens for r in rows)}-"
+                         f"{max(r.num_unique_tokens for r in rows)} | {hfu:.1%} | {mfu:.1%} | {tps:,.0f} | "
+                         f"{sum(c for _, c in compiles)} | {stalls} | {sum(times):.1f} |")
+            print(lines[-1], [round(t, 3) for t in times], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return lines
+
+
+def largest(names: list[str], tokens: int, device: str) -> list[str]:
+    """Full-parameter AdamW steps on one ``tokens``-token row: bf16 weights and optimizer state
+    (``dtype="bfloat16"``), and float32 master weights with bf16 autocast (the default ``dtype``)."""
+    lines = []
+    seq = TrainingSequence(list(range(tokens)), [0] + [1] * (tokens - 1), [0.0] + [-2.0] * (tokens - 1))
+    for name in names:
+        for dtype in (torch.bfloat16, torch.float32):
+            model = opt = None
+            try:
+                model = enable_tree_attention(make_model(QWEN3.get(name, TINY), dtype, device, checkpointing=True))
+                row = build_row([TrainingSample(seq, advantage=1.0, group_id=0, policy_version=0)]).to(device)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+                params = sum(p.numel() for p in model.parameters())
+
+                def step() -> None:
+                    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                        loss, _ = packed_grpo_loss(model, row, 1.0, LossConfig(), row.num_trained)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+                step()
+                gib, seconds = peak_memory(step, device)
+                lines.append(f"| {name} | {params / 1e9:.2f}B | {str(dtype)[6:]} | {tokens} | {gib:.1f} "
+                             f"| {seconds:.2f} |")
+            except torch.OutOfMemoryError:
+                lines.append(f"| {name} | | {str(dtype)[6:]} | {tokens} | OOM | |")
+            print(lines[-1], flush=True)
+            model = opt = None  # free this step's memory before the next shape
+            torch.cuda.empty_cache()
+    return lines
+
+
 def kernel_table(step: Callable[[], None], device: str, top: int = 25) -> list[str]:
     """Table rows of the kernels (CPU ops off CUDA) of one call of ``step``, by total time."""
     activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
@@ -367,9 +493,13 @@ def kernel_table(step: Callable[[], None], device: str, top: int = 25) -> list[s
     return lines
 
 
-def profile(spec: dict, shape: Shape, budget: int, device: str) -> list[str]:
+def profile(spec: dict, shape: Shape, budget: int, device: str, compiled: bool = False) -> list[str]:
     """The kernels of one fused tree-packed step (the first row of ``shape``), by total time."""
+    from trainer.training.compile import compile_decoder_layers
+
     model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
+    if compiled:
+        compile_decoder_layers(model)
     row = plan(grpo_samples(shape, spec["vocab_size"]), budget, share=True)[0].to(device)
     train_step(model, row)  # compile
     print(f"profile: {row.num_unique_tokens} tokens, {row.num_trained} trained", flush=True)
@@ -381,10 +511,16 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and samples (CPU smoke test)")
     parser.add_argument("--sections", default="correctness,throughput,head,memory,profile")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="0.6B,1.7B,4B", help="Qwen3 shapes of the compiled section")
+    parser.add_argument("--largest", default="8B,14B", help="Qwen3 shapes of the largest section")
+    parser.add_argument("--steps", type=int, default=12, help="rows of the compiled section's sequence")
+    parser.add_argument("--profile-compiled", action="store_true", help="profile the compiled step")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sections = args.sections.split(",")
     spec = TINY if args.tiny else QWEN3_06B
+    if args.tiny:
+        args.models = args.largest = "tiny"
     budget, mem_tokens = (512, 256) if args.tiny else (16384, 16384)
     scale = 10 if args.tiny else 1
     shapes = [
@@ -408,8 +544,16 @@ def main() -> None:
                 rows = head(device, args.repeats)
                 tables.append("| LM head + loss | trained tokens | best ms | us / token |\n|---|---|---|---|\n"
                               + "\n".join(rows))
+            elif name == "compiled":
+                rows = compiled_step(args.models.split(","), args.steps, budget, device, scale)
+                tables.append("| Qwen3 | step | rows | tokens/row | HFU | MFU | forwarded tok/s | compilations "
+                              "| compile stalls s | total s |\n" + "|---" * 10 + "|\n" + "\n".join(rows))
+            elif name == "largest":
+                rows = largest(args.largest.split(","), mem_tokens, device)
+                tables.append("| Qwen3 | params | weights + AdamW state | row tokens | peak GiB | step s |\n"
+                              "|---|---|---|---|---|---|\n" + "\n".join(rows))
             elif name == "profile":
-                rows = profile(spec, shapes[0], budget, device)
+                rows = profile(spec, shapes[0], budget, device, compiled=args.profile_compiled)
                 tables.append("| kernel | calls | ms | % |\n|---|---|---|---|\n" + "\n".join(rows))
             elif name == "memory":
                 rows = memory(spec, mem_tokens, device)

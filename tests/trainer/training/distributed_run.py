@@ -53,8 +53,8 @@ def main(model_dir: str, server_url: str, out_dir: str) -> None:
 
     def record_pid_then_shutdown() -> None:
         nonlocal worker_pid
-        if trainer.rollout.worker is not None:
-            worker_pid = trainer.rollout.worker.process.pid
+        if trainer.worker is not None:
+            worker_pid = trainer.worker.process.pid
         original_shutdown()
 
     trainer._shutdown = record_pid_then_shutdown  # type: ignore[method-assign]

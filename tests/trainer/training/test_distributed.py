@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -22,19 +19,18 @@ import torch
 import torch.multiprocessing as tmp
 from datasets import Dataset
 
+from tests.trainer.training.torchrun import torchrun_two_ranks
 from toolgym.launch.vllm_server import VLLMServer, free_port
 from trainer.exceptions import RolloutWorkerError
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.training.batching import MicroBatch
 from trainer.training.packing import build_row
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _sample(ids: list[int], trained_from: int, advantage: float, group: int) -> TrainingSample:
     n = len(ids)
     mask = [0] * trained_from + [1] * (n - trained_from)
-    logq = [0.0] * trained_from + [-3.0 - 0.1 * i for i in range(n - trained_from)]
+    logq = [0.0] * trained_from + [-7.6 - 0.05 * i for i in range(n - trained_from)]  # near the tiny model's own
     return TrainingSample(TrainingSequence(ids, mask, logq), advantage=advantage, group_id=group, policy_version=0)
 
 
@@ -210,19 +206,9 @@ def test_two_ranks_give_the_single_process_gradient(tiny_model_dir: Path, tmp_pa
 @pytest.mark.timeout(1500)  # a vLLM start, two trainers and a rollout worker on a shared 2-core machine
 def test_torchrun_two_ranks_train_together(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path,
                                            restore_served_weights: Any) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(ROOT / "tests" / "trainer" / "multiprocess_run.py"), str(tiny_model_dir),
-           vllm_server.base_url, str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=1200)
-    finally:  # never leave a rank behind, whatever happened
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-5000:]
+    returncode, stderr = torchrun_two_ranks("distributed_run.py", str(tiny_model_dir), vllm_server.base_url,
+                                            str(tmp_path))
+    assert returncode == 0, stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     params = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
@@ -232,8 +218,8 @@ def test_torchrun_two_ranks_train_together(vllm_server: VLLMServer, tiny_model_d
         assert all(row["trained"] > 0 for row in rec["rows"]), "every rank gets a non-empty row"
     # Same micro-batches, different rows: the global counts agree, the rows differ.
     assert [r["global_trained"] for r in ranks[0]["rows"]] == [r["global_trained"] for r in ranks[1]["rows"]]
-    assert all(a["tokens"] != b["tokens"] for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]))
-    for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]):
+    assert all(a["tokens"] != b["tokens"] for a, b in zip(ranks[0]["rows"], ranks[1]["rows"], strict=True))
+    for a, b in zip(ranks[0]["rows"], ranks[1]["rows"], strict=True):
         assert a["trained"] + b["trained"] == a["global_trained"]
     # DDP kept the replicas identical, and training moved them.
     from transformers import AutoModelForCausalLM

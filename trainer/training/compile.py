@@ -1,0 +1,133 @@
+"""The compiled training step: regional compilation of the decoder layers, and what compiling costs.
+
+On CUDA the eager step spends more time in unfused elementwise kernels (norms, activations, RoPE,
+casts) than in its matmuls at small widths; compiling each decoder layer fuses them
+(``nn.Module.compile``; every layer runs the same code, so the layers share their compiled graphs).
+Rows change length at every step, so the layers are compiled with ``dynamic=True``: the sequence
+length is symbolic from the first compile, and a new row length reuses the graph instead of
+recompiling (measured counts in ``bench/packing/README.md``). The fused LM-head loss is compiled
+separately (:mod:`trainer.training.logprobs`).
+
+:class:`CompileTracker` turns compilation into metrics instead of silent stalls: the seconds spent
+compiling and the number of compilations of each step go to ``perf/compile_s`` and
+``perf/compile_count`` (both shown by the progress display at each log), and a log line says when
+a compilation starts.
+
+CPU keeps the eager step: compiling there needs a C++ toolchain at run time and was not measured
+faster on the tiny models this machine trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.training.tree_attention import unwrap_model
+
+__all__ = ["CompileTracker", "compile_decoder_layers", "decoder_layers"]
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules whose class is in its ``_no_split_modules`` (for a PEFT
+    model, its base model's)."""
+    inner = unwrap_model(model)
+    base = getattr(inner, "get_base_model", None)
+    if callable(base):
+        inner = base()
+    names = set(getattr(inner, "_no_split_modules", None) or [])
+    return [m for m in inner.modules() if type(m).__name__ in names]
+
+
+def compile_decoder_layers(model: nn.Module, dynamic: bool = True) -> int:
+    """Compile each decoder layer in place (``layer.compile(dynamic=...)``); returns how many.
+
+    Compilation is lazy: the first forward of each new graph pays it (see :class:`CompileTracker`).
+    """
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=dynamic)
+    return len(layers)
+
+
+class CompileTracker:
+    """Counts compilations and the seconds spent in them, from torch's compile callbacks.
+
+    Dynamo calls the start callback when the first of possibly nested compilations begins and the
+    end callback when the last one ends, so the time is wall-clock time spent compiling (forward
+    graphs, and backward graphs compiled lazily at their first backward).
+
+    Args:
+        announce: Log a line when a compilation starts (rank 0 of a run).
+    """
+
+    def __init__(self, announce: bool = True) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        self._handler = callback_handler
+        self._announce = announce
+        self._lock = threading.Lock()
+        self._started: float | None = None
+        self._seconds = 0.0
+        self._count = 0
+        self.total_count = 0
+        self.total_s = 0.0
+        self._graphs_at_start = self._graph_counter()
+        callback_handler.register_start_callback(self._on_start)
+        callback_handler.register_end_callback(self._on_end)
+
+    @staticmethod
+    def _graph_counter() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    @property
+    def graphs(self) -> int:
+        """Graphs dynamo compiled since this tracker was made (forward graphs; their backward is
+        compiled with them, at the first backward)."""
+        return self._graph_counter() - self._graphs_at_start
+
+    def _on_start(self, *args: Any) -> None:
+        with self._lock:
+            self._started = time.perf_counter()
+            self._count += 1
+            self.total_count += 1
+        if self._announce:
+            logger.info("compiling the training step (compilation %d of this run; the step waits for it)",
+                        self.total_count)
+
+    def _on_end(self, *args: Any) -> None:
+        with self._lock:
+            if self._started is not None:
+                spent = time.perf_counter() - self._started
+                self._seconds += spent
+                self.total_s += spent
+                self._started = None
+
+    def take(self) -> tuple[float, int]:
+        """Seconds spent compiling and compilations started since the last call."""
+        with self._lock:
+            out = (self._seconds, self._count)
+            self._seconds, self._count = 0.0, 0
+        return out
+
+    def close(self) -> None:
+        """Unregister the callbacks; idempotent."""
+        for remove, cb in ((self._handler.remove_start_callback, self._on_start),
+                           (self._handler.remove_end_callback, self._on_end)):
+            try:
+                remove(cb)
+            except ValueError:  # already removed
+                pass
+
+
+def use_compiled_step(requested: bool, device: torch.device) -> bool:
+    """Whether the step is compiled: requested (``compile_training_step``) and on CUDA."""
+    return bool(requested) and device.type == "cuda"
