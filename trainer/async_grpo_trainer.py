@@ -58,6 +58,7 @@ from trainer.sync.lora_sync import (
     check_lora_limits,
     server_lora_config,
 )
+from trainer.sync.gather import PolicyWeights, adapter_state_dict
 from trainer.sync.weight_sync import (
     SharedMemorySender,
     SyncTimings,
@@ -65,10 +66,12 @@ from trainer.sync.weight_sync import (
     WeightSender,
     WeightSynchronizer,
     checkpoint_manifest,
-    merged_lora_weights,
 )
 from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
+from trainer.training.compile import CompileTracker, compile_decoder_layers, use_compiled_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
+from trainer.training.flops import FlopModel, matmul_dtype, peak_flops, row_flops
+from trainer.training.fsdp import enable_fsdp_on_cpu, is_sharded
 from trainer.training.loss import (
     LossConfig,
     loss_metrics,
@@ -76,7 +79,7 @@ from trainer.training.loss import (
     reduce_loss_stats,
 )
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
-from trainer.training.model_loading import freeze_outside_language_model, load_model, served_weights
+from trainer.training.model_loading import freeze_outside_language_model, load_model
 from trainer.training.tree_attention import enable_tree_attention
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
@@ -117,17 +120,6 @@ def _validate_dataset(dataset: Any, has_env: bool) -> None:
     refuse_image_parts(first)  # the first prompt here; every prompt again where the worker renders it
 
 
-# Dense peak FLOP/s per device at bf16 (fp32 is not tabulated: MFU is then not logged).
-_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def _peak_flops(device: torch.device, bf16: bool) -> float | None:
-    if device.type != "cuda" or not bf16:
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
-
-
 class _PipelineCallback(TrainerCallback):
     """Step timing, weight sync, allowance updates and the epoch stop, around each optimizer step."""
 
@@ -137,10 +129,12 @@ class _PipelineCallback(TrainerCallback):
         self._opt_start = 0.0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer._start_sharded()
         self._step_start = time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._step_fwd_bwd_s = 0.0
+        self.trainer._step_fwd_bwd_s = self.trainer._step_fwd_s = self.trainer._step_flops = 0.0
+        self.trainer._step_groups = set()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._opt_start = time.perf_counter()
@@ -238,6 +232,11 @@ class AsyncGRPOTrainer(Trainer):
         self._router = RouterLogits(model) if self._aux_coef > 0 else None
         enable_tree_attention(model)
         self._num_params = sum(p.numel() for p in model.parameters())
+        self._flop_model = FlopModel.from_config(model.config)
+        self._compile_tracker: CompileTracker | None = None
+        if use_compiled_step(args.compile_training_step, args.device):  # trainer.training.compile
+            compile_decoder_layers(model)
+            self._compile_tracker = CompileTracker(announce=args.process_index == 0)
         self.model_id = str(model_id)
         self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
         self.tools = list(tools or [])
@@ -259,7 +258,8 @@ class AsyncGRPOTrainer(Trainer):
         self._allowance: StalenessAllowance | None = None  # rank 0: the worker's staleness allowance
         self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
-        self._step_fwd_bwd_s = 0.0
+        self._step_fwd_bwd_s = self._step_fwd_s = self._step_flops = 0.0
+        self._step_groups: set[int] = set()  # distinct groups trained in the step (every row, every rank)
         self._num_tokens = 0
         self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
         self._loss_stats: list[dict[str, torch.Tensor]] = []
@@ -270,6 +270,12 @@ class AsyncGRPOTrainer(Trainer):
                                       score_centering=args.score_centering,
                                       clip_min=args.vllm_importance_sampling_clip_min,
                                       clip_max=args.vllm_importance_sampling_clip_max)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The base accelerator, with accelerate's FSDP2 path also on for a multi-process CPU run."""
+        super().create_accelerator_and_postprocess()
+        if enable_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):
+            self.is_fsdp_enabled = True
 
     # ------------------------------------------------------------------------------ lifecycle
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
@@ -298,8 +304,8 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-        if self._adapter_sync is not None:  # after the worker: no rollout still asks for an adapter
-            self._adapter_sync.close()
+        if self._adapter_sync is not None and self.is_world_process_zero():  # after the worker: no rollout
+            self._adapter_sync.close()                                          # still asks for an adapter
             self._adapter_sync = None
         if self.feed is not None:
             self.feed.close()
@@ -334,20 +340,22 @@ class AsyncGRPOTrainer(Trainer):
         world = self.accelerator.num_processes
         start = int(self._resume_state.get("first_untrained_position", 0))
         done = [int(p) for p in self._resume_state.get("done_positions", [])]  # trained past `start`
-        version = int(self._resume_state.get("policy_version", 0))
-        self._policy_version = version
-        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
-        if world > 1:
-            self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
         streaming = is_stream(self.rollout_dataset)
         if streaming and (start or done):
             logger.warning("train_dataset is a stream, which cannot be repositioned: the rollout worker starts "
                            "again from its first prompt (the checkpoint had trained up to position %d)", start)
             start, done = 0, []
+        version = int(self._resume_state.get("policy_version", 0))
+        self._policy_version = version
+        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
+        admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+        if world > 1:
+            self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
+                if self.is_fsdp_enabled:  # every rank gathers in the first sync (_start_sharded)
+                    self._adapter_sync = self._make_adapter_sync(admin)  # only to know the sync mode
                 self.feed.wait_ready()
                 return self.feed
-        admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         max_model_len, kv_tokens = self._server_limits(admin)
         token_budget = args.token_budget or max_model_len
         server = read_server_info(admin.request)  # the candidate-set path (warned when none), the dtype
@@ -366,7 +374,7 @@ class AsyncGRPOTrainer(Trainer):
             self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest(),
                                               pause_mode=args.weight_sync_pause)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
-        if version > 0 or self._adapter_sync is not None:
+        if (version > 0 or self._adapter_sync is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
         tokenizer = self.processing_class
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -380,7 +388,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         loop_kwargs.update(self.rollout_loop_kwargs())
         self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
-        self.worker.start()
+        if not self.is_fsdp_enabled:
+            self.worker.start()
         stop, stop_epochs = None, None
         if not self._explicit_max_steps and self.rollout_dataset is not None:
             if streaming:  # its size is known once the worker's first pass ends
@@ -394,6 +403,17 @@ class AsyncGRPOTrainer(Trainer):
         if self.feed is not None:
             self.feed.mark_ready()
         return self.stream
+
+    def _start_sharded(self) -> None:
+        """FSDP: the base Trainer shards the model, and loads a resumed checkpoint into it, only after
+        :meth:`get_train_dataloader`; so the first sync (a resumed version, or adapter version 0), in
+        which every rank gathers, and then the rollout worker's start happen here, as training begins."""
+        if not self.is_fsdp_enabled:
+            return
+        if self._policy_version > 0 or self._adapter_sync is not None:
+            self._sync_weights(self._policy_version, barrier=False)
+        if self.worker is not None:
+            self.worker.start()
 
     def rollout_loop_kwargs(self) -> dict[str, Any]:
         """Extra constructor arguments of ``loop_cls`` (a subclass's own; they must pickle). Default: none."""
@@ -453,7 +473,7 @@ class AsyncGRPOTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: MicroBatch, num_items_in_batch: Any = None) -> torch.Tensor:
         """Forward this process's packed row, compute the loss, backward; returns the detached loss."""
         model.train()
-        t0 = time.perf_counter()
+        t0 = self._synced_clock()
         row = inputs.row_for(self.accelerator.process_index).to(self.args.device)
         if self._router is not None:
             self._router.clear()
@@ -462,6 +482,7 @@ class AsyncGRPOTrainer(Trainer):
             loss, stats = packed_grpo_loss(model, row, self.args.temperature, self.loss_config,
                                            inputs.num_trained_global)
             loss = loss / self.current_gradient_accumulation_steps
+        self._step_fwd_s += self._synced_clock() - t0
         # DDP averages gradients over the W processes, and this rank's loss is its row's sum over the
         # trained tokens of all rows (num_trained_global): times W, the average is the global sum.
         loss = loss * self.accelerator.num_processes
@@ -471,10 +492,19 @@ class AsyncGRPOTrainer(Trainer):
             loss = loss + self._aux_coef * aux / self.current_gradient_accumulation_steps
         self.accelerator.backward(loss)
         self._loss_stats.append(stats)
-        self._step_fwd_bwd_s += time.perf_counter() - t0
+        self._step_fwd_bwd_s += self._synced_clock() - t0
         self._step_tokens = (self._step_tokens[0] + inputs.forwarded_tokens,
                              self._step_tokens[1] + inputs.num_trained_global)
+        if self._flop_model is not None:  # every row of the micro-batch: MFU is over all training devices
+            self._step_flops += sum(row_flops(self._flop_model, r) for r in inputs.rows)
+        self._step_groups.update(g for r in inputs.rows for g in r.sample_group_ids)
         return loss.detach()
+
+    def _synced_clock(self) -> float:
+        """``perf_counter`` after the device's queued work (CUDA runs asynchronously; timing needs it)."""
+        if self.args.device.type == "cuda":
+            torch.cuda.synchronize(self.args.device)
+        return time.perf_counter()
 
     def floating_point_ops(self, inputs: Any) -> int:
         """6 x parameters x this process's forwarded tokens (forward + backward of the dense layers;
@@ -491,13 +521,21 @@ class AsyncGRPOTrainer(Trainer):
             self.accelerator.wait_for_everyone()
         barrier_s = time.perf_counter() - t0
         timings: SyncTimings | None = None
+        model = self.accelerator.unwrap_model(self.model)
+        sharded = is_sharded(model)  # FSDP2: every rank joins the gathers, rank 0 sends (trainer.sync.gather)
         if self._adapter_sync is not None:
-            timings = self._adapter_sync.load(self.accelerator.unwrap_model(self.model), version)
-            self._publish_version(version)  # new rollouts ask for the new adapter before the oldest goes
-            timings.transfer_s += self._adapter_sync.retire()
+            state_dict = adapter_state_dict(model) if sharded else None
+            if self.is_world_process_zero():
+                timings = self._adapter_sync.load(model, version, state_dict=state_dict)
+                self._publish_version(version)  # new rollouts ask for the new adapter before the oldest goes
+                timings.transfer_s += self._adapter_sync.retire()
+            else:
+                self._publish_version(version)
         else:
             if self._syncer is not None:
                 timings = self._syncer.sync(self._policy_weights(), version)
+            elif sharded:
+                self._policy_weights().drain()
             self._publish_version(version)
         if timings is not None:
             self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
@@ -513,12 +551,10 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None:
             self.worker.channels.model_version.value = version
 
-    def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights the server serves, by checkpoint name (LoRA merged into the base weights)."""
-        model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "peft_config"):
-            return served_weights(merged_lora_weights(model), self._frozen_weights)
-        return served_weights(((n, p.detach()) for n, p in model.named_parameters()), self._frozen_weights)
+    def _policy_weights(self) -> PolicyWeights:
+        """The weights the server serves, by checkpoint name (LoRA merged into the base weights), gathered
+        from the shards one at a time under FSDP2; the frozen vision tower is left out."""
+        return PolicyWeights(self.accelerator.unwrap_model(self.model), skip=self._frozen_weights)
 
     def _end_of_step(self, step_s: float) -> None:
         args = self.args
@@ -536,14 +572,20 @@ class AsyncGRPOTrainer(Trainer):
         m.add("perf/step_s", step_s)
         m.add("perf/rollout_wait_s", wait_s)
         m.add("perf/fwd_bwd_s", self._step_fwd_bwd_s)
+        m.add("perf/fwd_s", self._step_fwd_s)
+        m.add("batch/groups_per_step", len(self._step_groups))
+        if self._compile_tracker is not None:
+            compile_s, compiles = self._compile_tracker.take()
+            m.add("perf/compile_s", compile_s)
+            m.add("perf/compile_count", compiles)
         m.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self._step_fwd_bwd_s)
         m.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         m.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
-        peak = _peak_flops(self.args.device, bf16=bool(args.bf16))
-        if peak:
-            flops = 6 * self._num_params * forwarded
-            m.add_rate("perf/fwd_bwd_mfu", flops / peak, self._step_fwd_bwd_s)
-            m.add_rate("perf/wall_clock_mfu", flops / peak, step_s)
+        peak = self._peak_flops()
+        if peak and self._step_flops:  # trainer.training.flops: every row's FLOPs over every device's peak
+            devices_peak = peak * self.accelerator.num_processes
+            m.add_rate("perf/fwd_bwd_mfu", self._step_flops / devices_peak, self._step_fwd_bwd_s)
+            m.add_rate("perf/wall_clock_mfu", self._step_flops / devices_peak, step_s)
         if self.worker is not None:
             m.add_records(self.worker.drain_metrics())
         if self.rollout_dataset is not None:
@@ -551,6 +593,13 @@ class AsyncGRPOTrainer(Trainer):
                     else self.worker.epoch_size() if self.worker is not None else None)
             if size:
                 self.state.epoch = self._step_feed_state.first_untrained / size
+
+    def _peak_flops(self) -> float | None:
+        """One training device's peak FLOP/s at the precision its matmuls run in (None: unknown, warned)."""
+        if self._flop_model is None:
+            return None
+        dtype = matmul_dtype(next(self.model.parameters()).dtype, self.accelerator.mixed_precision)
+        return peak_flops(self.args.device, dtype)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the window's pipeline metrics to the Trainer's logs (loss, grad_norm, learning_rate)."""

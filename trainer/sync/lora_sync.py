@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.exceptions import ConfigError, VLLMServerError, WeightSyncError
 from trainer.records import adapter_name
@@ -150,15 +150,18 @@ class LoRAAdapterSync:
         """Where ``version`` is written."""
         return self.cache_dir / adapter_name(self.lora_name, version)
 
-    def load(self, model: PeftModel, version: int) -> SyncTimings:
+    def load(self, model: PeftModel, version: int, state_dict: dict[str, Any] | None = None) -> SyncTimings:
         """Write the PEFT model's adapter as ``version`` and register it; raises :class:`WeightSyncError`
-        with the server's message when the server refuses it (the version's folder is removed)."""
+        with the server's message when the server refuses it (the version's folder is removed).
+
+        ``state_dict``: the adapter's tensors gathered from FSDP2 shards
+        (:func:`trainer.sync.gather.adapter_state_dict`); ``None`` reads them from the model."""
         t0 = time.perf_counter()
         folder = self.folder(version)
         if folder.exists():  # a previous attempt at this version
             shutil.rmtree(folder)
         active = _active_adapters(model)[0]
-        model.save_pretrained(str(folder), selected_adapters=[active])
+        model.save_pretrained(str(folder), selected_adapters=[active], state_dict=state_dict)
         path = folder if active == "default" else folder / active  # PEFT's layout for other names
         body = {"lora_name": adapter_name(self.lora_name, version), "lora_path": str(path.resolve())}
         try:

@@ -163,29 +163,12 @@ def merged_lora_weights(model: torch.nn.Module) -> NamedTensors:
 
     Computed out of place (base + the adapter's delta): ``merge_adapter`` then ``unmerge_adapter``
     would add and subtract the delta in the model's own weights, and the rounding would drift the
-    frozen base a little at every sync.
+    frozen base a little at every sync. The streamed form (one tensor at a time, also from FSDP2
+    shards) is :class:`trainer.sync.gather.PolicyWeights`.
     """
-    from peft.tuners.lora import LoraLayer
+    from trainer.sync.gather import PolicyWeights
 
-    deltas: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if not isinstance(module, LoraLayer) or module.merged:
-                continue
-            adapters = [a for a in module.active_adapters if a in module.scaling]
-            if any(module.use_dora.get(a, False) for a in adapters):
-                raise WeightSyncError(f"{name}: DoRA adapters are not supported by the merged-weight sync")
-            if adapters:
-                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
-        out: NamedTensors = []
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                continue
-            weight = param.detach()
-            if name in deltas:
-                weight = weight + deltas[name].to(weight.dtype)
-            out.append((name.replace("base_model.model.", "", 1).replace(".base_layer", ""), weight))
-    return out
+    return list(PolicyWeights(model))
 
 
 class WeightSender(Protocol):
@@ -260,7 +243,8 @@ class _StaticSource:
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights]
+        listed = self.weights.meta() if hasattr(self.weights, "meta") else self.weights  # streamed: no gather
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in listed]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.weights)
@@ -348,8 +332,10 @@ class WeightSynchronizer:
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
         """Push ``weights`` as policy ``version``; always resumes generation, raises on failure."""
-        weights = list(weights)
-        check_against_manifest(weights, self.manifest)
+        meta = getattr(weights, "meta", None)  # a streamed source (trainer.sync.gather) is checked on its
+        if meta is None:                       # metadata and gathered chunk by chunk while it is sent
+            weights = list(weights)
+        check_against_manifest(meta() if meta is not None else weights, self.manifest)
         if not self._initialised:
             self.sender.init()
             self._initialised = True
