@@ -11,7 +11,9 @@ in a new session, and dies with the process that started it.
 Left to itself, bubblewrap started by root maps the sandbox's uid to host uid 0, which the kernel
 treats as the owner of root's files (root-writable sysctls, ``/proc/sysrq-trigger``) and exempts
 from RLIMIT_NPROC. So the caller writes the maps itself: host uid 65534 is the
-sandbox's 65534, and the code runs as that (``Startup``). ``/proc`` and ``/dev`` are read-only all the same.
+sandbox's 65534, and the code runs as that (``Startup``). ``/proc`` and ``/dev`` are read-only all
+the same. Started by another user, bubblewrap maps the sandbox's 65534 to that user, as it is meant
+to run.
 """
 
 from __future__ import annotations
@@ -41,19 +43,29 @@ def executable() -> str | None:
     return shutil.which("bwrap")
 
 
-def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], info_fd: int,
-            block_fd: int) -> list[str]:
+def switches_user() -> bool:
+    """Whether sandboxes start as their namespace's root and ``_boot.py`` switches to ``UID``.
+
+    So when the server runs as root (see the module docstring); otherwise bubblewrap maps ``UID``
+    to the server's own uid, which is not root, and the command starts as ``UID`` with no capabilities.
+    """
+    return os.geteuid() == 0
+
+
+def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], startup: Startup) -> list[str]:
     """The ``bwrap`` arguments before the sandboxed command, which gets ``WORKDIR`` as cwd and only ``env``.
 
-    The sandbox waits on ``block_fd`` until ``Startup`` has written its uid and gid maps (the
-    child's host pid comes as JSON on ``info_fd``): its command then starts as root of its user
-    namespace (host root), keeping only CAP_SETUID and CAP_SETGID, and ``_boot.py`` switches to
-    ``UID`` (host uid ``UID`` too, which is not root and so is bound by RLIMIT_NPROC) before any
-    model code runs.
+    With ``startup.maps_users``, the sandbox waits until ``startup`` has written its uid and gid
+    maps: its command then starts as root of its user namespace (host root), keeping only
+    CAP_SETUID and CAP_SETGID, and ``_boot.py`` switches to ``UID`` (host uid ``UID`` too, which is
+    not root and so is bound by RLIMIT_NPROC) before any model code runs.
     """
-    args = [bwrap, "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
-            "--cap-add", "CAP_SETGID", "--die-with-parent", "--new-session", "--clearenv",
-            "--info-fd", str(info_fd), "--userns-block-fd", str(block_fd)]
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
+            "--cap-drop", "ALL", "--info-fd", str(startup.info_fd)]
+    if startup.maps_users:
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--userns-block-fd", str(startup.block_fd)]
+    else:
+        args += ["--disable-userns", "--uid", str(UID), "--gid", str(UID)]
     for name, value in env.items():
         args += ["--setenv", name, value]
     for directory in _mount_parents():  # made 0755: bubblewrap would copy the host's mode (/root is 0700)
@@ -71,28 +83,34 @@ def command(bwrap: str, disk_bytes: int, seccomp_fd: int, env: dict[str, str], i
 class Startup:
     """One sandbox's start and end: its uid/gid maps, and the wait for every process of it to be gone.
 
-    ``info_fd`` and ``block_fd`` go to ``command`` (and to the child, as inherited fds); calling the
-    object (the runner's ``started`` hook) reads the sandbox's host pid, maps uid/gid 0 and ``UID``
-    to themselves and lets the sandbox go on; ``close`` kills the sandbox's PID 1 and waits until it
-    is gone. Bubblewrap's own process exits as soon as the command does, before the kernel has
-    finished killing the rest of the PID namespace: without that wait, a ``setsid`` child could
-    outlive the run by a moment.
+    ``info_fd`` and, with ``maps_users``, ``block_fd`` go to ``command`` (and to the child, as
+    inherited fds). Calling the object (the runner's ``started`` hook) reads the sandbox's host pid
+    and, with ``maps_users``, maps uid/gid 0 and ``UID`` to themselves and lets the sandbox go on.
+    ``close`` kills the sandbox's PID 1 and waits until it is gone: bubblewrap's own process exits
+    as soon as the command does, before the kernel has finished killing the rest of the PID
+    namespace, and without that wait a ``setsid`` child could outlive the run by a moment.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, maps_users: bool) -> None:
+        self.maps_users = maps_users
         self._info_read, self.info_fd = os.pipe()
-        self.block_fd, self._block_write = os.pipe()
+        self.block_fd, self._block_write = os.pipe() if maps_users else (-1, -1)
         self._init: int | None = None  # a pidfd of the sandbox's PID 1
 
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors the bubblewrap process must inherit."""
+        return (self.info_fd, self.block_fd) if self.maps_users else (self.info_fd,)
+
     def __call__(self, deadline: float) -> None:
-        """Map the users of the sandbox that has just started, then release it.
+        """Learn the pid of the sandbox that has just started; map its users and release it.
 
         Raises:
             TimeoutError: no pid before ``deadline``.
             ChildProcessError: bubblewrap exited before telling it (its error is in its output).
         """
-        os.close(self.info_fd)
-        os.close(self.block_fd)
+        for fd in self.fds:
+            os.close(fd)
         self.info_fd = self.block_fd = -1
         info = b""
         while not info.rstrip().endswith(b"}"):
@@ -105,10 +123,11 @@ class Startup:
             info += chunk
         pid = json.loads(info)["child-pid"]
         self._init = os.pidfd_open(pid)
-        for kind in ("uid_map", "gid_map"):
-            with open(f"/proc/{pid}/{kind}", "w", encoding="ascii") as out:
-                out.write(f"0 0 1\n{UID} {UID} 1\n")
-        os.write(self._block_write, b"1")
+        if self.maps_users:
+            for kind in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{kind}", "w", encoding="ascii") as out:
+                    out.write(f"0 0 1\n{UID} {UID} 1\n")
+            os.write(self._block_write, b"1")
 
     def close(self, timeout: float = 10.0) -> None:
         """Kill the sandbox's PID 1 (and so its namespace), wait up to ``timeout`` s for it, close the fds."""

@@ -145,7 +145,8 @@ def boot_config(mode: Isolation, limits: Limits, run_mode: str) -> dict[str, obj
             "cpu": limits.cpu_seconds, "memory": limits.memory_bytes, "file": limits.disk_bytes,
             # In weak mode the run shares the host uid's process count, so RLIMIT_NPROC would count the host's.
             "processes": limits.processes if mode is Isolation.BWRAP else None,
-            "hook": mode is Isolation.WEAK, "user": _bwrap.UID if mode is Isolation.BWRAP else None,
+            "hook": mode is Isolation.WEAK,
+            "user": _bwrap.UID if mode is Isolation.BWRAP and _bwrap.switches_user() else None,
             "mode": run_mode}
 
 
@@ -172,12 +173,12 @@ def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: b
     if bwrap is None:
         raise IsolationUnavailableError("bubblewrap (bwrap) is no longer on PATH")
     seccomp = memfd(_seccomp.filter_program())
-    startup = _bwrap.Startup()
+    startup = _bwrap.Startup(maps_users=_bwrap.switches_user())
     try:
         env = {**env, "HOME": _bwrap.WORKDIR, "TMPDIR": _bwrap.WORKDIR}
-        argv = _bwrap.command(bwrap, limits.disk_bytes, seccomp, env, startup.info_fd, startup.block_fd) + python
+        argv = _bwrap.command(bwrap, limits.disk_bytes, seccomp, env, startup) + python
         finished = execute(argv, stdin=stdin, env={}, cwd=None, output_cap=cap, wall_seconds=limits.wall_seconds,
-                           pass_fds=(seccomp, startup.info_fd, startup.block_fd, *pass_fds), started=startup)
+                           pass_fds=(seccomp, *startup.fds, *pass_fds), started=startup)
     finally:
         startup.close()
         os.close(seccomp)

@@ -4,16 +4,18 @@ Not imported: its source runs as ``python -I [-S] -c SOURCE RESULT_FD`` inside t
 any model code, so it imports only the standard library (and little of it: each import costs every
 grading). Its stdin is a ``marshal``-ed dict from ``grading.score_tests`` (trusted): ``boot`` (the
 source of ``_boot.py``), ``boot_config`` (that script's CONFIG, without ``fds``), ``flags`` (the
-interpreter's), ``solution`` and ``tests``.
+interpreter's), ``solution``, ``tests`` and ``nonce``.
 
 It starts the solution in a child interpreter through ``_boot.py``'s ``serve`` mode, which under
-bubblewrap switches to another uid first: the solution can neither signal nor trace this process,
-nor open its ``/proc`` entries and file descriptors. It evaluates
+bubblewrap started by root switches to another uid first (otherwise this process makes itself
+non-dumpable): the solution can neither signal nor trace this process, nor open its ``/proc``
+entries and file descriptors. It evaluates
 each test here, where the names the solution defines are proxies: a call sends its arguments
 (plain literals) to the child and gets back the ``repr`` of the result, read with
 ``ast.literal_eval`` into plain data. So the solution cannot replace what the tests call, patch
 the test code or its builtins, return objects that compare equal to anything, or report a score:
-only this process writes to RESULT_FD, once: ``b"PASSED CRASHED"`` (two integers, CRASHED 0 or 1).
+only this process writes to RESULT_FD, once: ``b"NONCE PASSED CRASHED"`` (the job's ``nonce``, then
+two integers, CRASHED 0 or 1).
 The child dying at any time (an exception while loading, an early exit, a kill) is ``crashed``.
 """
 
@@ -30,6 +32,7 @@ if MYPY:  # typing costs ~9 ms to import
     from typing import Any
 
 _MAX_FRAME = 1 << 20
+_PR_SET_DUMPABLE = 4
 
 
 class _Crashed(Exception):
@@ -136,6 +139,11 @@ def main() -> None:
     result_fd = int(sys.argv[1])
     os.set_inheritable(result_fd, False)  # it came inherited: the solution's interpreter must not get it
     job = marshal.loads(sys.stdin.buffer.read())
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the job (with its nonce) is not left readable
+    if job["boot_config"]["user"] is None:
+        # The solution keeps this process's uid: without this it could open /proc/<this>/fd/RESULT_FD.
+        import ctypes
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     requests_read, requests_write = os.pipe()
     answers_read, answers_write = os.pipe()
     feed = _spawn(job, requests_read, answers_write)
@@ -147,7 +155,7 @@ def main() -> None:
         passed, crashed = _grade(job, _Channel(requests_write, answers_read)), False
     except (_Crashed, OSError):
         passed, crashed = 0, True
-    os.write(result_fd, b"%d %d" % (passed, crashed))
+    os.write(result_fd, b"%s %d %d" % (job["nonce"].encode(), passed, crashed))
     os.close(result_fd)
     # No kill: under bubblewrap the child has another uid, and dies with the sandbox when this
     # process (its PID 1's only child) exits; in weak mode, with the process group.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import marshal
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from environments.sandbox._core import (
 
 _GRADER_SOURCE = (Path(__file__).parent / "_grader.py").read_text(encoding="utf-8")
 _MAX_RESULT = 4096
-_REPORT = re.compile(rb"(\d{1,9}) ([01])")
 
 
 def score_tests(solution: str, tests: Sequence[str], limits: Limits = DEFAULT_LIMITS,
@@ -51,8 +51,9 @@ def score_tests(solution: str, tests: Sequence[str], limits: Limits = DEFAULT_LI
     if not tests:
         return 0.0
     mode = mode or isolation()
+    nonce = secrets.token_hex(16)  # a report without it (a blind write to the pipe) is no report
     job = {"boot": BOOT_SOURCE, "boot_config": boot_config(mode, limits, "serve"), "flags": python_flags(mode),
-           "solution": solution, "tests": list(tests)}
+           "solution": solution, "tests": list(tests), "nonce": nonce}
     result_read, result_write = os.pipe()
     try:
         finished = launch(mode, limits, _GRADER_SOURCE, str(result_write), marshal.dumps(job),
@@ -70,12 +71,12 @@ def score_tests(solution: str, tests: Sequence[str], limits: Limits = DEFAULT_LI
             os.close(result_write)
     if finished.exit_code != 0 or finished.timed_out:
         return 0.0
-    return _score(report, len(tests))
+    return _score(report, nonce, len(tests))
 
 
-def _score(report: bytes, total: int) -> float:
-    """The clamped score of the grader's report (``b"PASSED CRASHED"``); 0.0 for a crash or anything else."""
-    match = _REPORT.fullmatch(report)
+def _score(report: bytes, nonce: str, total: int) -> float:
+    """The clamped score of the grader's report (``b"NONCE PASSED CRASHED"``); 0.0 for a crash or anything else."""
+    match = re.fullmatch(re.escape(nonce.encode()) + rb" (\d{1,9}) ([01])", report)
     if match is None or match[2] != b"0":
         return 0.0
     return min(max(int(match[1]) / total, 0.0), 1.0)
