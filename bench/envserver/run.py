@@ -16,8 +16,8 @@ system, all threads, from ``/proc``: the figure least moved by other jobs on a s
 sessions still alive after all that (worst round).
 ``--baseline PATH`` adds the toolgym server of another checkout as one more column (a before/after
 with the same client in the same run).
-The servers take turns over ``--repeat`` rounds and the table shows each figure's median, since a
-shared machine's load moves the figures between runs.
+The servers take turns over ``--repeat`` rounds, each round starting with the next server, and the
+table shows each figure's median, since a shared machine's load moves the figures between runs.
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}", flush=True)
     for round_index in range(args.repeat):
         print(f"round {round_index + 1}/{args.repeat}", flush=True)
-        for kind in kinds:
+        # Each round starts with another server: none always runs first (or right after OpenEnv).
+        for kind in kinds[round_index % len(kinds):] + kinds[:round_index % len(kinds)]:
             rounds[kind].append(measure(kind, sessions, args.duration, args.churn_workers, args.baseline))
     print(f"load average after: {os.getloadavg()}", flush=True)
     results = {kind: median_of(runs) for kind, runs in rounds.items()}
