@@ -89,7 +89,8 @@ def main(model_dir: str, out_dir: str) -> None:
     torch.save(params, out / f"full{rank}.pt")
     (out / f"full{rank}.json").write_text(json.dumps({
         "global_step": first.state.global_step, "policy_version": first._policy_version, "dtensor": sharded,
-        "fsdp": first.is_fsdp_enabled, "position": first._step_feed_state.first_untrained}))
+        "fsdp": first.is_fsdp_enabled, "position": first._step_feed_state.first_untrained,
+        "logs": [h for h in first.state.log_history if "loss" in h]}))
     if rank == 0:
         torch.save(SENT, out / "sent.pt")
 
