@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import site
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -181,3 +184,45 @@ def test_the_disk_is_the_capped_work_directory():
               Limits(disk_bytes=8 << 20, wall_seconds=30.0))
     megabytes, errno = out.split()
     assert int(megabytes) <= 8 and errno in ("27", "28")  # EFBIG (the file limit) or ENOSPC
+
+
+NOT_ROOT_CHECKS = """
+import sys
+sys.path.insert(0, {tests!r})
+from environments.sandbox import Limits, run_python, score_tests
+import test_env_python_exec as t
+ids = run_python("import os\\nprint(os.getuid(), open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+write = run_python("import os\\ntry:\\n    os.open('/x', os.O_WRONLY | os.O_CREAT)\\n"
+                   "except OSError as e:\\n    print(e.errno)")
+forks = run_python("import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
+                   "            time.sleep(10)\\n            os._exit(0)\\n        n += 1\\n"
+                   "except OSError:\\n    print(n)",
+                   Limits(processes=8, wall_seconds=30))
+hacks = [score_tests(t.HACKS[name], t.FIB_TESTS, t.FAST) for name in sorted(t.HACKS)]
+print(repr((ids.output.split(), write.output.split(), int(forks.output) < 8, hacks,
+            score_tests(t.FIB, t.FIB_TESTS, t.FAST))))
+"""
+
+
+def test_a_server_not_run_as_root_gets_the_same_isolation():
+    """The server as uid 65534: bubblewrap's own mapping, no uid switch, a non-dumpable grader.
+
+    Run with the system's Python 3.11 (the venv's may lie under a home directory only root can
+    enter) on this checkout and the venv's site-packages.
+    """
+    system_python = Path("/usr/bin/python3")
+    if os.geteuid() != 0 or not system_python.exists():
+        pytest.skip("needs root (to start a process as uid 65534) and /usr/bin/python3")
+    version = subprocess.run([system_python, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    if version != str(sys.version_info[:2]):
+        pytest.skip(f"/usr/bin/python3 is {version}, the venv's site-packages are for {sys.version_info[:2]}")
+    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join([PROJECT, *site.getsitepackages()])
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": path}
+    done = subprocess.run([system_python, "-c", NOT_ROOT_CHECKS.format(tests=tests)], capture_output=True, text=True,
+                          env=env, cwd="/tmp", user=65534, group=65534, extra_groups=[], timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    ids, write, forks_stopped, hacks, correct = eval(done.stdout)
+    assert ids == ["65534", "0000000000000000"] and write == ["30"] and forks_stopped
+    assert len(hacks) > 10 and set(hacks) == {0.0} and correct == 1.0
