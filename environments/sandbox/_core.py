@@ -133,8 +133,8 @@ def _check_bwrap() -> None:
 def python_flags(mode: Isolation) -> list[str]:
     """The interpreter's flags: isolated mode; under bubblewrap also no ``site`` (``boot_config`` sets the path).
 
-    ``site`` runs the venv's ``.pth`` files (an editable install's finder takes ~80 ms of a ~100 ms
-    start here); weak mode keeps the old sandbox's start as it was.
+    ``site`` runs the venv's ``.pth`` files (with an editable install's finder, ~50 ms of a ~75 ms
+    start here: bench/sandbox); weak mode keeps the old sandbox's start.
     """
     return ["-I", "-S"] if mode is Isolation.BWRAP else ["-I"]
 
