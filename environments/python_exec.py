@@ -30,7 +30,7 @@ TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Write a function digit_sum(n) that returns the sum of the decimal digits of a non-negative integer.",
      ("assert digit_sum(0) == 0", "assert digit_sum(1234) == 10", "assert digit_sum(99999) == 45")),
 )
-ISOLATION = isolation()  # at import, so that `toolgym serve python` refuses to start without a sandbox
+isolation()  # at import, so that `toolgym serve python` refuses to start without a sandbox (or warns in weak mode)
 
 
 def _describe(result: RunResult, limits: Limits) -> str:
