@@ -591,8 +591,11 @@ class AsyncGRPOTrainer(Trainer):
         if self.rollout_dataset is not None:
             size = (len(self.rollout_dataset) if not is_stream(self.rollout_dataset)
                     else self.worker.epoch_size() if self.worker is not None else None)
+            done = self._step_feed_state.first_untrained
+            if self.stream is not None and self.stream.stop_position is not None:
+                done = min(done, self.stream.stop_position)  # prompts past the epoch limit are not trained
             if size:
-                self.state.epoch = self._step_feed_state.first_untrained / size
+                self.state.epoch = done / size
 
     def _peak_flops(self) -> float | None:
         """One training device's peak FLOP/s at the precision its matmuls run in (None: unknown, warned)."""
