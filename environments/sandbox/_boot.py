@@ -134,4 +134,5 @@ def main() -> None:
         _serve(code, *keep)
 
 
-main()
+if __name__ == "__main__":  # as ``python -c SOURCE``; importing it runs nothing
+    main()

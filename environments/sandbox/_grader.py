@@ -161,4 +161,5 @@ def main() -> None:
     # process (its PID 1's only child) exits; in weak mode, with the process group.
 
 
-main()
+if __name__ == "__main__":  # as ``python -c SOURCE``; importing it runs nothing
+    main()
