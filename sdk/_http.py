@@ -6,7 +6,7 @@ import functools
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, cast
 
 from sdk import protocol
 from sdk.exceptions import (
@@ -58,4 +58,4 @@ def fetch_description(url: str, env_name: str, token: str | None, timeout: float
             protocol.ErrorCode.UNKNOWN_ENVIRONMENT,
             f"{url} hosts no environment {env_name!r} (hosted: {', '.join(environments) or 'none'})",
         )
-    return environments[env_name]
+    return cast("dict[str, Any]", environments[env_name])

@@ -12,8 +12,8 @@ import math
 import pickle
 import re
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Coroutine, Mapping
+from typing import Any, cast
 
 from sdk.exceptions import EnvironmentCheckError, ToolDefinitionError
 from sdk.tools import environment_tools
@@ -45,7 +45,8 @@ def check_env(env_or_cls: object, reset_kwargs: Mapping[str, Any] | None = None,
         for _ in range(episodes):
             prompt = _resolve(runner, env.reset(**dict(reset_kwargs or {})), f"{name}.reset")  # type: ignore[attr-defined]
             if prompt is not None and not isinstance(prompt, str):
-                raise EnvironmentCheckError(f"{name}.reset returned {type(prompt).__name__}; it must return str or None")
+                raise EnvironmentCheckError(
+                    f"{name}.reset returned {type(prompt).__name__}; it must return str or None")
             if callable(getattr(env, "get_reward", None)):
                 _check_reward(_resolve(runner, env.get_reward(), f"{name}.get_reward"), name)  # type: ignore[attr-defined]
         if not tools:
@@ -118,7 +119,7 @@ def _resolve(runner: asyncio.Runner, value: Any, where: str) -> Any:
     if not inspect.isawaitable(value):
         return value
     try:
-        return runner.run(value)
+        return runner.run(cast("Coroutine[Any, Any, Any]", value))
     except RuntimeError as exc:
         if "running event loop" in str(exc):
             raise EnvironmentCheckError(f"{where} is async: call check_env outside a running event loop") from exc

@@ -19,8 +19,8 @@ import inspect
 import json
 import re
 import string
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, cast
 
 import gymnasium
 from gymnasium import spaces
@@ -126,7 +126,7 @@ class ToolEnv(gymnasium.Env[str, str]):
         return float(value) if value is not None else 0.0
 
     def _await(self, value: Any) -> Any:
-        return self._runner.run(value) if inspect.isawaitable(value) else value
+        return self._runner.run(cast("Coroutine[Any, Any, Any]", value)) if inspect.isawaitable(value) else value
 
 
 def _accepts_keyword(func: Callable[..., Any], name: str) -> bool:
@@ -166,7 +166,8 @@ def register_environment(env_factory: Callable[[], object] | str, name: str | No
     if name is None:
         name = env_factory.rpartition(":")[2] if isinstance(env_factory, str) else env_factory.__name__
     env_id = f"toolgym/{name}-v0"
-    gymnasium.register(env_id, entry_point=ToolEnv, disable_env_checker=True,
+    # gymnasium's EnvCreator protocol wants a ``**kwargs``-only callable; make() calls ToolEnv(**kwargs).
+    gymnasium.register(env_id, entry_point=ToolEnv, disable_env_checker=True,  # type: ignore[arg-type]
                        kwargs={"env_factory": env_factory, "max_steps": max_steps, "reset_kwargs": reset_kwargs})
     return env_id
 

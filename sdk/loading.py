@@ -14,7 +14,7 @@ import os
 import pkgutil
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from sdk.exceptions import SpecNotFoundError
 
@@ -64,7 +64,7 @@ def load_target(target: str) -> Callable[[], object]:
             names = [n for n, v in vars(obj).items() if not n.startswith("_") and inspect.isclass(v)]
             raise SpecNotFoundError(f"{module_name} has no attribute {attr_path!r}" + did_you_mean(part, names))
         obj = getattr(obj, part)
-    return obj
+    return cast("Callable[[], object]", obj)
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

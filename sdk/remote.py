@@ -22,7 +22,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
@@ -95,15 +95,15 @@ class RemoteEnvironment:
                 other typed errors of ``sdk.exceptions``.
         """
         try:
-            return await self._request(protocol.Op.RESET, resume=False, kwargs=kwargs)
+            return cast("str | None", await self._request(protocol.Op.RESET, resume=False, kwargs=kwargs))
         except (SessionLostError, ServerDrainingError):
             # A new episode needs no old state: start over on a fresh session, elsewhere if possible.
             await self._drop(rotate=True)
-            return await self._request(protocol.Op.RESET, kwargs=kwargs)
+            return cast("str | None", await self._request(protocol.Op.RESET, kwargs=kwargs))
 
     async def get_reward(self) -> float | None:
         """The environment's reward for the episode so far; ``None`` if it defines no ``get_reward``."""
-        return await self._request(protocol.Op.REWARD)
+        return cast("float | None", await self._request(protocol.Op.REWARD))
 
     async def call(self, tool: str, arguments: dict[str, Any] | None = None) -> str:
         """Call a tool and return its result as text.
@@ -120,7 +120,7 @@ class RemoteEnvironment:
                 it ran past the server's deadline. ``str(error)`` is the text to show the model.
             SessionLostError: the session ended (the episode's state is gone).
         """
-        return await self._request(protocol.Op.CALL, tool=tool, args=arguments or {})
+        return cast(str, await self._request(protocol.Op.CALL, tool=tool, args=arguments or {}))
 
     async def aclose(self) -> None:
         """End the session on the server and close the connection (idempotent)."""
@@ -143,7 +143,7 @@ class RemoteEnvironment:
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The hosted environment's tool schemas (fetched over HTTP, once per process, if not connected)."""
-        return self._describe()["tools"]
+        return cast("list[dict[str, Any]]", self._describe()["tools"])
 
     def __toolgym_tools__(self) -> list[Tool]:
         """The server's tools as async callables bound to this session (see ``sdk.environment_tools``)."""

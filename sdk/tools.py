@@ -88,9 +88,10 @@ def environment_tools(env: object) -> list[Tool]:
     """
     if isinstance(env, ProvidesTools):
         return env.__toolgym_tools__()
+    env_class: type = type(env)  # as a plain ``type``: mypy checks ``type[object]`` against Hashable wrongly
     return [
         Tool(name, schema, getattr(env, name), is_async)
-        for name, schema, is_async in class_tool_schemas(type(env))
+        for name, schema, is_async in class_tool_schemas(env_class)
     ]
 
 
