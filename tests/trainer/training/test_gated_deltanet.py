@@ -20,10 +20,9 @@ from transformers import (
 )
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-from tests.trainer.training.test_tree_attention import SMALL, TEMPERATURE, VOCAB, random_sample, reference_logprobs
+from tests.trainer.training.test_tree_attention import SMALL, VOCAB, assert_packed_matches_alone, random_sample
 from trainer.exceptions import UnsupportedModelError
 from trainer.training.gated_deltanet import TreeLayout, tree_causal_conv, tree_gated_delta_rule
-from trainer.training.logprobs import forward_packed
 from trainer.training.packing import _Trie, build_row
 from trainer.training.tree_attention import enable_tree_attention
 
@@ -73,25 +72,10 @@ def branching_groups(seed: int) -> list:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_packed_hybrid_matches_each_sample_alone(build, seed: int) -> None:
     reference = build()
-    model = enable_tree_attention(copy.deepcopy(reference))
     samples = branching_groups(seed)
-    row = build_row(samples)
-    assert row.num_unique_tokens < row.num_unpacked_tokens
-    assert int(row.segment_ids.max()) + 1 > len(samples)  # branch points below the roots
-
-    out = forward_packed(model, row, TEMPERATURE, chunk_size=32)
-    weights = torch.randn(row.num_trained, generator=torch.Generator().manual_seed(seed))
-    finite = torch.isfinite(out.topk_logp)
-    (weights @ out.logp + out.topk_logp[finite].sum()).backward()
-
-    alone = [reference_logprobs(reference, smp, row, s) for s, smp in enumerate(samples)]
-    ref_logp, ref_topk = (torch.cat(parts) for parts in zip(*alone, strict=True))
-    torch.testing.assert_close(out.logp, ref_logp, rtol=0, atol=5e-5)
-    torch.testing.assert_close(out.topk_logp[finite], ref_topk[finite], rtol=0, atol=5e-5)
-    (weights @ ref_logp + ref_topk[finite].sum()).backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")  # noqa: B023
+    assert int(build_row(samples).segment_ids.max()) + 1 > len(samples)  # branch points below the roots
+    assert_packed_matches_alone(reference, samples, seed, atol=5e-5, grad_atol=5e-5)
+    model = enable_tree_attention(copy.deepcopy(reference))
     # The stock forward still runs unchanged on plain input (generation, warm start).
     ids = torch.tensor(samples[0].sequence.input_ids)[None]
     with torch.no_grad():
