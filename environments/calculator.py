@@ -11,14 +11,16 @@ import ast
 import fractions
 import operator
 import random
+from collections.abc import Callable
 
 from sdk.environment import Environment
 
-_BINARY = {
+_Number = int | float
+_BINARY: dict[type[ast.operator], Callable[[_Number, _Number], _Number]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
 }
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNARY: dict[type[ast.unaryop], Callable[[_Number], _Number]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _MAX_EXPONENT = 64
 _MAX_EXPRESSION = 500
 
@@ -35,7 +37,7 @@ def evaluate(expression: str) -> int | float:
 
 
 def _eval(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))

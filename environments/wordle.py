@@ -25,8 +25,8 @@ WORD_LENGTH = 5
 def feedback(guess: str, secret: str) -> str:
     """Wordle feedback for ``guess`` against ``secret``: one of ``G``, ``Y``, ``_`` per letter."""
     marks = ["_"] * len(guess)
-    unmatched = collections.Counter(s for g, s in zip(guess, secret) if g != s)
-    for i, (g, s) in enumerate(zip(guess, secret)):
+    unmatched = collections.Counter(s for g, s in zip(guess, secret, strict=False) if g != s)
+    for i, (g, s) in enumerate(zip(guess, secret, strict=False)):
         if g == s:
             marks[i] = "G"
         elif unmatched[g] > 0:
