@@ -66,6 +66,7 @@ from trainer.config import AsyncGRPOConfig
 from trainer.records import TurnRecord
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.sampler_client import SamplingParams
 from trainer.rollout.worker import WorkerChannels
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +83,7 @@ class TimedLoop(AsyncRolloutLoop):
     def start_clock(self) -> None:
         """Start counting idle time now."""
         self.in_flight = 0
+        self.generated_tokens = 0
         self.idle_s = 0.0
         self.idle_since: float | None = time.monotonic()
 
@@ -92,13 +94,15 @@ class TimedLoop(AsyncRolloutLoop):
             self.idle_since = None
         return self.idle_s
 
-    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """The default request, with the in-flight count around it."""
+    async def generate_one_turn(self, prompt_ids: list[int], params: SamplingParams | None = None) -> TurnRecord:
+        """The default request, with the in-flight count around it (and its generated tokens counted)."""
         if self.in_flight == 0 and self.idle_since is not None:
             self.idle_s += time.monotonic() - self.idle_since
         self.in_flight += 1
         try:
-            return await super().generate_one_turn(prompt_ids)
+            turn = await super().generate_one_turn(prompt_ids, params)
+            self.generated_tokens += len(turn.output_ids)
+            return turn
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -146,6 +150,7 @@ async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str
     n = max(len(finished), 1)
     return {"rollouts_per_s": len(finished) / elapsed, "turns": sum(t for t, _ in finished) / n,
             "tool_calls": sum(c for _, c in finished) / n, "client_idle_frac": client_idle_s / elapsed,
+            "generated_tokens_per_s": loop.generated_tokens / elapsed,
             "server_idle_frac": idle / max(polls, 1), "loop_lag_frac": min(late_s / elapsed, 1.0),
             "cpu_ms_per_rollout": 1000 * cpu_s / n}
 

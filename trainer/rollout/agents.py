@@ -88,17 +88,20 @@ class AgentTask:
     timeout_s: float
     env_tools: list[Tool] = field(default_factory=list, repr=False)
     executor: Executor | None = field(default=None, repr=False)
+    http_client: Any = field(default=None, repr=False)  # the loop's shared httpx client for ``client``
 
     @functools.cached_property
     def client(self) -> Any:
         """An ``openai.AsyncOpenAI`` on this rollout's endpoint (closed when the rollout ends).
 
-        Its retries are off: the worker's sampler client already retries the sampler.
+        Its retries are off: the worker's sampler client already retries the sampler. Its HTTP
+        connections come from the loop's shared pool (``http_client``): a client of its own would
+        build a TLS context per rollout, about 0.1 s of CPU, more than the rest of the rollout.
         """
         import openai
 
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0,
-                                  timeout=self.timeout_s)
+                                  timeout=self.timeout_s, http_client=self.http_client)
 
     async def call_tool(self, name: str, arguments: str | dict[str, Any]) -> str:
         """Run one of the environment's tools as the built-in loop does, for a tool message.
@@ -126,8 +129,8 @@ class AgentTask:
         return {"prompt": self.prompt, "row": self.row, "tools": self.tools, "model": self.model}
 
     async def aclose(self) -> None:
-        """Close the client if the agent used it."""
-        if "client" in self.__dict__:
+        """Close the client if the agent used it (not the shared connection pool)."""
+        if "client" in self.__dict__ and self.http_client is None:
             await self.client.close()
 
 

@@ -35,6 +35,15 @@ def captured_completion(session: CaptureSession) -> list[dict[str, Any]]:
     return messages[first:]
 
 
+def _shared_http_client() -> Any:
+    """One connection pool for every rollout's ``openai`` client (``None`` without the package)."""
+    try:
+        import openai
+    except ImportError:
+        return None
+    return openai.DefaultAsyncHttpxClient()  # its 1,000 connections: more than max_concurrent_rollouts' 512
+
+
 class HarnessRolloutLoop(AsyncRolloutLoop):
     """The rollout loop of :class:`~trainer.harness_trainer.HarnessAsyncGRPOTrainer`.
 
@@ -51,6 +60,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         super().__init__(*args, **kwargs)
         self.agent = check_agent(agent)
         self.capture: CaptureServer | None = None
+        self._http_client: Any = None
 
     async def setup(self) -> None:
         """Start the capture endpoint."""
@@ -61,9 +71,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.chat_template_kwargs, host=c.harness_host, port=c.harness_port,
             max_request_bytes=c.harness_max_request_bytes)
         await self.capture.start()
+        self._http_client = _shared_http_client()
 
     async def close(self) -> None:
         """Stop the capture endpoint."""
+        if self._http_client is not None:
+            await self._http_client.aclose()
         if self.capture is not None:
             await self.capture.stop()
         await super().close()
@@ -88,7 +101,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         session = self.capture.open(contextvars.copy_context(), c.agent_max_requests, c.agent_parallel_requests)
         task = AgentTask(row=row, prompt=prompt, tools=[t.schema for t in tools], env=env, base_url=session.base_url,
                          api_key=session.secret, model=self.model_name, timeout_s=c.agent_timeout, env_tools=tools,
-                         executor=self.executor)
+                         executor=self.executor, http_client=self._http_client)
         try:
             outcome = await run_agent(self.agent, task, cancel=session.failed)
         finally:

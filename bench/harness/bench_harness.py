@@ -1,0 +1,121 @@
+"""Harness mode against the built-in loop: the same counter task, servers and concurrency.
+
+Command (repository root, after ``make setup``)::
+
+    .venv/bin/python bench/harness/bench_harness.py [--concurrency 32] [--seconds 40] [--tool-ms 50] \\
+        [--repeats 2] [--cache .cache]
+
+The warm-started counter model of ``make demo`` (built under ``--cache`` when missing) is served by
+the real vLLM CPU server; the environment is ``bench/multiturn``'s ``SlowCounterEnv`` (its tool
+sleeps ``--tool-ms``) on ``toolgym serve``. Two arms run ``--concurrency`` rollouts at a time for
+``--seconds`` each, alternating ``--repeats`` times on the same servers:
+
+* ``built-in``: ``AsyncRolloutLoop``'s own multi-turn ``generate_one``;
+* ``harness``: ``HarnessRolloutLoop`` running ``counter_agent.counter_agent``, an ``openai``-client
+  agent doing the same episode through the rollout's capture endpoint (one ``AsyncOpenAI`` client,
+  one HTTP hop and one JSON round trip per request more).
+
+Printed per run, and the harness / built-in ratio of the medians: finished rollouts/s, generated
+tokens/s (the issue's target: harness >= 0.9x built-in), turns and tool calls per rollout, the
+sampler's idle fraction (``idle (client)``: wall time with no sampling request in flight;
+``idle (server)``: 0.1 s polls of vLLM's ``/metrics`` reading no running request) and this
+process's CPU per rollout. Both arms share the measurement code of ``bench/multiturn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "multiturn")]
+
+from bench_multiturn import TimedLoop, measure, start_envserver  # noqa: E402
+from counter_agent import MAX_TOOL_CALLING_ITERATIONS, counter_agent  # noqa: E402
+
+from sdk import remote_factory  # noqa: E402
+from toolgym.cli.demo import warm_model  # noqa: E402
+from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
+from trainer.harness_trainer import HarnessAsyncGRPOConfig  # noqa: E402
+from trainer.rollout.harness_loop import HarnessRolloutLoop  # noqa: E402
+from trainer.rollout.worker import WorkerChannels  # noqa: E402
+
+
+class TimedHarnessLoop(TimedLoop, HarnessRolloutLoop):
+    """The harness loop with the built-in arm's in-flight clock around every sampling request."""
+
+
+def one_arm(arm: str, base_url: str, model_dir: Path, env_url: str, concurrency: int, seconds: float,
+            output_dir: str) -> dict[str, float]:
+    """Measure one arm on fresh loop objects (the same servers)."""
+    config = HarnessAsyncGRPOConfig(
+        output_dir=output_dir, vllm_server_base_url=base_url, max_completion_length=48,
+        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS, max_concurrent_rollouts=concurrency,
+        agent_timeout=120, report_to="none", use_cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    kwargs: dict[str, Any] = dict(
+        config=config, model_name=str(model_dir), dataset=None, reward_funcs=[], processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id], channels=WorkerChannels.create(mp.get_context("spawn"), 0, 0),
+        environment_factory=remote_factory(env_url, "SlowCounterEnv"), max_model_len=1024)
+    loop = TimedHarnessLoop(agent=counter_agent, **kwargs) if arm == "harness" else TimedLoop(**kwargs)
+
+    async def run() -> dict[str, float]:
+        await loop.setup()
+        try:
+            return await measure(loop, concurrency, seconds)
+        finally:
+            await loop.sampler.close()
+            await loop.envs.aclose()
+            await loop.close()
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    """Measure both arms and print."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--tool-ms", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path(".cache"), help="where the warm model is built / reused")
+    args = parser.parse_args()
+    model_dir = warm_model(args.cache, seed=0)
+    rows: list[tuple[str, dict[str, float]]] = []
+    envserver = start_envserver(args.tool_ms)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, VLLMServer(VLLMServerConfig(
+                model=str(model_dir), max_model_len=1024, kv_cache_gib=2, ready_timeout_s=1200)) as server:
+            for _ in range(args.repeats):
+                for arm in ("built-in", "harness"):
+                    rows.append((arm, one_arm(arm, server.base_url, model_dir, envserver.url, args.concurrency,
+                                              args.seconds, tmp)))
+    finally:
+        envserver.stop()
+    print(f"{args.concurrency} rollouts in flight, tool latency {args.tool_ms} ms, {args.seconds:.0f} s per run")
+    header = (f"{'arm':>9} {'rollouts/s':>11} {'gen tok/s':>10} {'turns':>6} {'tool calls':>10} "
+              f"{'idle (client)':>13} {'idle (server)':>13} {'CPU ms/rollout':>14}")
+    print(header)
+    for arm, r in rows:
+        print(f"{arm:>9} {r['rollouts_per_s']:>11.2f} {r['generated_tokens_per_s']:>10.0f} {r['turns']:>6.2f} "
+              f"{r['tool_calls']:>10.2f} {r['client_idle_frac']:>13.1%} {r['server_idle_frac']:>13.1%} "
+              f"{r['cpu_ms_per_rollout']:>14.1f}")
+
+    def median(arm: str, key: str) -> float:
+        return statistics.median(r[key] for a, r in rows if a == arm)
+
+    for key, label in (("rollouts_per_s", "rollouts/s"), ("generated_tokens_per_s", "generated tokens/s"),
+                       ("cpu_ms_per_rollout", "CPU ms/rollout")):
+        print(f"harness / built-in, {label} (medians): {median('harness', key) / median('built-in', key):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
