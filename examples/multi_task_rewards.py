@@ -10,8 +10,9 @@ completions only. A completion that every function skips would be unscorable (ad
 nothing, the task rewards are all -1.0 and every group would be dropped for equal rewards
 (``frac_zero_std_groups``); this term still separates the completions of a group.
 
-Code is run with ``environments.sandbox.run_python`` (a resource-limited, isolated interpreter), and
-only when it compiles. The training code sits under ``if __name__ == "__main__":`` because the
+Code is graded with ``environments.sandbox.score_tests`` (the solution runs in a resource-limited
+interpreter isolated by the operating system, the tests where it cannot reach them), and only when
+it compiles. The training code sits under ``if __name__ == "__main__":`` because the
 spawned rollout worker re-imports this file to unpickle the reward functions.
 
 Start a vLLM server on the model, then run::
@@ -29,7 +30,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from environments.sandbox import Limits, run_python
+from environments.sandbox import Limits, score_tests
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
 # Define a dataset that contains both math and coding problems. `answer` only applies to math rows
@@ -69,7 +70,9 @@ def test_code_solution(completion: list[dict[str, Any]], tests: list[str]) -> bo
         compile(code, "<completion>", "exec")  # most wrong answers stop here, without a subprocess
     except (SyntaxError, ValueError):
         return False
-    return run_python(code + "\n\n" + "\n".join(tests) + "\n", CODE_LIMITS).ok
+    # Graded where the code cannot reach the tests (a solution that exits early or patches the
+    # asserts scores 0): ``run_python(code + tests).ok`` would reward ``import os; os._exit(0)``.
+    return score_tests(code, tests, CODE_LIMITS) == 1.0
 
 
 # Math-specific reward function

@@ -124,6 +124,8 @@ def test_task_rewards_return_none_for_the_other_task() -> None:
     assert ex.coding_reward_func(**kwargs) == [None, 1.0, None]
     wrong = [[{"role": "assistant", "content": "def add(a, b):\n    return a - b"}]]
     assert ex.coding_reward_func(prompts=[[]], completions=wrong, task=["code"], tests=[tests[1]]) == [-1.0]
+    exits_early = [[{"role": "assistant", "content": "import os\nos._exit(0)"}]]  # a reward hack
+    assert ex.coding_reward_func(prompts=[[]], completions=exits_early, task=["code"], tests=[tests[1]]) == [-1.0]
 
 
 def test_example_tools_and_environments_expose_the_right_tools() -> None:
