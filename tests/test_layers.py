@@ -26,8 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.rollout", "trainer.training",
                 "trainer.sync", "trainer.api", "toolgym"},
 }
-API = {"async_grpo_trainer", "harness_trainer"}
-"""The trainer's top modules that tie every layer together (what ``from trainer import ...`` exports)."""
+API = {"async_grpo_trainer", "harness_trainer", "compat"}
+"""The trainer's top modules that tie every layer together: the public trainers and their construction checks."""
 
 
 def layer_of(module: str) -> str | None:
