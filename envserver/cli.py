@@ -18,10 +18,9 @@ import logging
 import sys
 
 from envserver.config import ServerConfig, token_from_env
-from envserver.exceptions import EnvServerError
 from envserver.registry import parse_specs
 from envserver.server import EnvServer
-from sdk.exceptions import SpecNotFoundError, ToolDefinitionError
+from sdk.exceptions import ToolgymError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +77,7 @@ def main(argv: list[str]) -> int:
             max_head_bytes=args.max_head_bytes, head_timeout=args.head_timeout,
             max_buffered_bytes=args.max_buffered_bytes, fragment_timeout=args.fragment_timeout,
         )
-    except (EnvServerError, SpecNotFoundError, ToolDefinitionError) as exc:
+    except ToolgymError as exc:  # a bad spec or setting, an environment refusing to load (no sandbox...)
         print(f"toolgym serve: {exc}", file=sys.stderr)
         return 2
     server = EnvServer(specs, config, log_level=args.log_level)
