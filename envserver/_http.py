@@ -23,7 +23,8 @@ import re
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from envserver._websocket import WebSocketProtocol, http_response, limits_of
+from envserver._websocket import WebSocketProtocol
+from envserver._wire import http_response, limits_of
 
 # A request line and header fields as RFC 9112 writes them: a token name right before the colon
 # (no space), field values of visible characters, spaces and tabs, no obs-fold continuation lines.

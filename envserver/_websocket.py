@@ -42,62 +42,15 @@ from uvicorn.config import Config
 from uvicorn.protocols.utils import ClientDisconnected, get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
-from envserver.config import ServerConfig
-
-try:
-    from websockets.speedups import apply_mask as _apply_mask  # C; ~0.5 us for a small frame
-except ImportError:  # pragma: no cover (websockets built without its C extension)
-    def _apply_mask(data: bytes, mask: bytes) -> bytes:
-        n = len(data)
-        key = (mask * (n // 4 + 1))[:n]
-        return (int.from_bytes(data, "little") ^ int.from_bytes(key, "little")).to_bytes(n, "little")
+from envserver._wire import VALID_CLOSE, apply_mask, close_frame, frame, http_response, limits_of, utf8_decoder
 
 logger = logging.getLogger("envserver.websocket")
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _CONT, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-# Close codes a peer may put on the wire (section 7.4): 1004-1006 and 1015 are reserved.
-_VALID_CLOSE = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014))
 _CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
 _MAX_QUEUED = 64  # messages buffered for the app before reading from the socket pauses
-_HTTP_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 426: b"Upgrade Required",
-                 431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
-_DEFAULT_LIMITS = ServerConfig()
-
 _State = Literal["handshake", "connecting", "responding", "open", "closed"]
-
-
-def _frame(first: int, payload: bytes) -> bytes:
-    """One unmasked server frame: ``first`` is FIN plus the opcode."""
-    n = len(payload)
-    if n < 126:
-        return bytes((first, n)) + payload
-    if n < 1 << 16:
-        return bytes((first, 126)) + n.to_bytes(2, "big") + payload
-    return bytes((first, 127)) + n.to_bytes(8, "big") + payload
-
-
-def _close_frame(code: int, reason: str = "") -> bytes:
-    text = reason.encode()[:123].decode(errors="ignore").encode()  # a control frame carries 125 bytes at most
-    return _frame(0x80 | _CLOSE, code.to_bytes(2, "big") + text)
-
-
-def limits_of(config: Config) -> ServerConfig:
-    """The env server settings a uvicorn config carries (``EnvServer`` sets ``env_config``), else the defaults."""
-    return getattr(config, "env_config", None) or _DEFAULT_LIMITS
-
-
-def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """An HTTP/1.1 response that closes the connection (plain text unless ``headers`` say otherwise)."""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _HTTP_REASONS.get(status, b""))]
-    lines += [name + b": " + value + b"\r\n" for name, value in headers]
-    names = {name.lower() for name, _ in headers}
-    if b"content-length" not in names:
-        lines.append(b"content-length: %d\r\n" % len(body))
-    if b"content-type" not in names:
-        lines.append(b"content-type: text/plain; charset=utf-8\r\n")
-    lines += [b"connection: close\r\n\r\n", body]
-    return b"".join(lines)
 
 
 class WebSocketProtocol(asyncio.Protocol):
@@ -224,7 +177,7 @@ class WebSocketProtocol(asyncio.Protocol):
         if self.state == "open" and not self.close_sent and not self.disconnected:
             self.close_sent = self.disconnected = True
             self._put({"type": "websocket.disconnect", "code": 1012})
-            self.transport.write(_close_frame(1012))
+            self.transport.write(close_frame(1012))
         elif self.state in ("handshake", "connecting"):
             self._reject(500, b"server shutting down")
         self.transport.close()
@@ -344,7 +297,7 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._fail(1009, f"message larger than {self.max_size} bytes")
             if self.disconnected or size < start + 4 + length:
                 break
-            payload = _apply_mask(buffer[start + 4:start + 4 + length], buffer[start:start + 4])
+            payload = apply_mask(buffer[start + 4:start + 4 + length], buffer[start:start + 4])
             pos = start + 4 + length
             self._frame_received(first & 0x80, opcode, payload)
         return pos
@@ -357,7 +310,7 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._message(opcode, payload)
             else:
                 self._fragment_opcode, self._fragment_size, self._fragments = opcode, 0, []
-                self._decoder = _utf8_decoder() if opcode == _TEXT else None
+                self._decoder = utf8_decoder() if opcode == _TEXT else None
                 self._fragment_timer = self.loop.call_later(self._fragment_timeout, self._fragment_timed_out)
                 self._fragment(payload, False)
         elif opcode == _CONT:
@@ -369,7 +322,7 @@ class WebSocketProtocol(asyncio.Protocol):
             self._close_received(payload)
         elif opcode == _PING:
             if not self.close_sent:
-                self.transport.write(_frame(0x80 | _PONG, payload))
+                self.transport.write(frame(0x80 | _PONG, payload))
         elif opcode == _PONG:
             if self._ping_payload is not None and payload == self._ping_payload:
                 self._ping_payload = None
@@ -476,12 +429,12 @@ class WebSocketProtocol(asyncio.Protocol):
             except UnicodeDecodeError:
                 self._fail(1007, "close reason is not valid UTF-8")
                 return
-            if code not in _VALID_CLOSE and not 3000 <= code <= 4999:
+            if code not in VALID_CLOSE and not 3000 <= code <= 4999:
                 self._fail(1002, f"invalid close code {code}")
                 return
         self.disconnected = self.close_sent = True
         self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
-        self.transport.write(_close_frame(code) if code != 1005 else _frame(0x80 | _CLOSE, b""))
+        self.transport.write(close_frame(code) if code != 1005 else frame(0x80 | _CLOSE, b""))
         self.transport.close()
 
     def _fail(self, code: int, reason: str) -> None:
@@ -500,7 +453,7 @@ class WebSocketProtocol(asyncio.Protocol):
             self.transport.resume_reading()
         if not self.close_sent:
             self.close_sent = True
-            self.transport.write(_close_frame(code, reason))
+            self.transport.write(close_frame(code, reason))
         if self.transport.can_write_eof():
             self.transport.write_eof()
         if self._close_timer is None:
@@ -517,7 +470,7 @@ class WebSocketProtocol(asyncio.Protocol):
             self._ping_timer = self.loop.call_later(interval, self._ping)
             return
         self._ping_payload = random.getrandbits(32).to_bytes(4, "big")
-        self.transport.write(_frame(0x80 | _PING, self._ping_payload))
+        self.transport.write(frame(0x80 | _PING, self._ping_payload))
         timeout = self.config.ws_ping_timeout
         if timeout:
             self._ping_timer = self.loop.call_later(timeout, self._ping_timed_out)
@@ -601,9 +554,9 @@ class WebSocketProtocol(asyncio.Protocol):
             if kind == "websocket.send":
                 text = message.get("text")
                 if text is not None:
-                    self.transport.write(_frame(0x80 | _TEXT, text.encode()))
+                    self.transport.write(frame(0x80 | _TEXT, text.encode()))
                 else:
-                    self.transport.write(_frame(0x80 | _BINARY, message["bytes"]))
+                    self.transport.write(frame(0x80 | _BINARY, message["bytes"]))
             elif kind == "websocket.close":
                 self._send_close(message.get("code", 1000), message.get("reason") or "")
             else:
@@ -635,10 +588,7 @@ class WebSocketProtocol(asyncio.Protocol):
         """Start the closing handshake; the socket drops on the peer's reply or after a timeout."""
         self.close_sent = True
         self._put({"type": "websocket.disconnect", "code": code, "reason": reason})
-        self.transport.write(_close_frame(code, reason))
+        self.transport.write(close_frame(code, reason))
         self._unpause()  # the peer's close frame may be behind what the app never read
         self._close_timer = self.loop.call_later(_CLOSE_TIMEOUT, self.transport.close)
 
-
-def _utf8_decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")()

@@ -208,7 +208,7 @@ class Connection:
             session.last_active = loop.time()
             session.inflight = None
             done.set_result(None)
-        if tool not in session.spec.tools:
+        if not isinstance(tool, str) or tool not in session.spec.tools:  # any JSON value: a list is unhashable
             tool = "<unknown>" if tool else ""  # keep metric label cardinality bounded
         self.table.metrics.request(session.spec.name, op, tool, outcome, time.perf_counter() - started)
         return reply

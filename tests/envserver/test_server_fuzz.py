@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from envserver._websocket import _VALID_CLOSE
+from envserver._wire import VALID_CLOSE
 from sdk.protocol import ErrorCode
 from toolgym_fixtures import health, make_server, wait_until
 from wire import RawSocket, call, frame_bytes, open_session
@@ -103,7 +103,7 @@ def test_any_frames_then_close_end_with_a_close_frame_from_the_server(target, fr
     assert received and received[-1][0] == 0x8, f"dropped without a close frame: {received[-3:]}"
     close = received[-1][1]  # empty (echoing an empty close), or a code a peer may send
     code = int.from_bytes(close[:2], "big")
-    assert not close or code in _VALID_CLOSE or 3000 <= code < 5000, code
+    assert not close or code in VALID_CLOSE or 3000 <= code < 5000, code
     for opcode, payload in received[:-1]:
         assert opcode in (0x1, 0xA), opcode
         if opcode == 0x1:

@@ -228,3 +228,17 @@ def test_an_environments_slow_tools_do_not_delay_another_environments_sessions(h
     assert released == ["released"] * 6
     assert health(hostile)["sessions"] == 0
 
+
+
+@pytest.mark.parametrize("tool", [[], {}, ["increment"], 3, None])
+def test_a_tool_name_that_is_not_a_string_is_an_unknown_tool(hostile, tool):
+    async def scenario():
+        ws = await session(hostile, "counter")
+        reply = await request(ws, 1, "call", tool=tool, args={})
+        after = await request(ws, 2, "ping")
+        await request(ws, 3, "close")
+        return reply, after
+
+    reply, after = asyncio.run(scenario())  # a list once reached a set lookup and dropped the connection
+    assert reply["id"] == 1 and reply["error"]["code"] == "unknown_tool"
+    assert after["result"] == "pong"
