@@ -1,9 +1,13 @@
 """The compiled training step (``trainer/training/compile.py``) on CUDA: same loss and gradients as
 eager, and a bounded number of compilations when the row length changes at every step.
 
-CUDA only (the step is compiled only there); CI has no GPU, so these run on the GPU machine::
+CUDA only (the step is compiled only there); CI has no GPU, so these run on the GPU machine. Its
+image lacks websockets and pydantic, which ``trainer.exceptions`` pulls in through the ``sdk``
+package, so the command puts a package holding only ``sdk/exceptions.py`` first on the path::
 
-    python3 -m pytest --noconftest -p no:cacheprovider tests/trainer/training/test_compile_cuda.py -q
+    mkdir -p /tmp/shim/sdk && cp sdk/exceptions.py /tmp/shim/sdk/ && touch /tmp/shim/sdk/__init__.py
+    PYTHONPATH=/tmp/shim:. python3 -P -m pytest --noconftest -p no:cacheprovider -o addopts="" \
+        -o pythonpath="" tests/trainer/training/test_compile_cuda.py -q -s
 """
 
 from __future__ import annotations
