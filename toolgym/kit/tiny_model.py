@@ -17,7 +17,7 @@ No machine here reaches a model hub, so tests and the demo run on a model built 
 ``--arch`` builds the same-sized Gated DeltaNet hybrids instead (three linear-attention layers, then one
 full-attention layer; linear-attention head dims of 128, the only size vLLM's CPU GDN kernel takes):
 ``qwen3_5`` (``Qwen3_5ForCausalLM``), ``qwen3_5_vl`` (``Qwen3_5ForConditionalGeneration``: the same
-language model plus a one-block vision tower) and ``qwen3_next`` (``Qwen3NextForCausalLM``, dense MLPs).
+language model plus a one-block vision tower) and ``qwen3_next`` (``Qwen3NextForCausalLM``, 4 experts, 2 per token).
 vLLM's CPU build serves ``qwen3_next`` with ``--dtype bfloat16`` (its GDN kernel requires it); it cannot
 import its Qwen3.5 model without torchvision (see ``docs/packing.md``).
 
@@ -196,8 +196,7 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen3") -> Pret
         return Qwen3NextConfig(
             **hybrid, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-            mlp_only_layers=list(range(4)),  # dense MLPs: the tiny model has no router to balance
-        )
+        )  # sparse MoE layers: vLLM's Qwen3-Next refuses a model without one
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
             "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # 8 rotary dims: 4 frequency pairs
     text = Qwen3_5TextConfig(**hybrid, rope_parameters=rope)

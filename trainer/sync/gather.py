@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer.exceptions import WeightSyncError
+from trainer.training.model_loading import checkpoint_tensors
 
 __all__ = ["PolicyWeights", "adapter_state_dict", "full_tensor"]
 
@@ -102,7 +103,8 @@ class PolicyWeights:
 
     def meta(self) -> list[NamedTensor]:
         """Every tensor that will be sent, as a meta tensor of its full shape and dtype (gathers nothing)."""
-        return [(served, torch.empty(p.shape, dtype=p.dtype, device="meta")) for _, served, p in self._params()]
+        return [pair for _, served, p in self._params()
+                for pair in checkpoint_tensors(self.model, served, torch.empty(p.shape, dtype=p.dtype, device="meta"))]
 
     def __iter__(self) -> Iterator[NamedTensor]:
         """Gather and yield one full tensor at a time (every rank must iterate, in step)."""
@@ -113,7 +115,7 @@ class PolicyWeights:
                 if name in layers:
                     module, adapters = layers[name]
                     weight = weight + _lora_delta(module, adapters, name).to(weight.dtype)
-                yield served, weight
+                yield from checkpoint_tensors(self.model, served, weight)  # fused MoE experts split back
 
     def drain(self) -> None:
         """Take part in every gather without sending anything (the ranks other than 0)."""

@@ -4,25 +4,25 @@ A model id or directory whose config is a vision-language one (it has a ``vision
 Qwen3-VL, ...) loads with ``AutoModelForImageTextToText``; anything else with ``AutoModelForCausalLM``.
 Of a vision-language model only the language model trains: :func:`freeze_outside_language_model`
 sets ``requires_grad=False`` on the vision tower and the multimodal projector (so the optimizer holds
-no state for them), and :func:`served_weights` leaves them out of the weight sync, so the server keeps
-the values it loaded. Names stay the checkpoint's, which is what vLLM's loader for the architecture
-maps (``model.language_model.*`` -> its language model, ...).
+no state for them), and the weight sync leaves them out (``trainer.sync.gather.PolicyWeights``'s
+``skip``), so the server keeps the values it loaded. The sync sends the checkpoint's names
+(:func:`checkpoint_tensors`), which is what vLLM's loader for the architecture maps
+(``model.language_model.*`` -> its language model, ``model.visual.*`` -> its vision tower, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 
 __all__ = [
+    "checkpoint_tensors",
     "freeze_outside_language_model",
     "is_vision_language",
     "language_model_parameter_names",
     "load_model",
-    "served_weights",
 ]
 
 
@@ -68,6 +68,12 @@ def freeze_outside_language_model(model: nn.Module) -> set[str]:
     return frozen
 
 
-def served_weights(weights: Iterable[tuple[str, torch.Tensor]], frozen: set[str]) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs to push to the server: everything but the ``frozen`` parameters."""
-    return [(name, t) for name, t in weights if name not in frozen]
+def checkpoint_tensors(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One parameter of ``model`` as the checkpoint spells it: the names vLLM's loader maps.
+
+    transformers 5 fuses some checkpoint tensors when it loads them (a MoE layer's experts become one
+    ``experts.gate_up_proj`` and one ``experts.down_proj``); its own save path splits them back, and so
+    does this, one parameter at a time (meta tensors too). Other parameters come back unchanged.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
+    return list(revert_weight_conversion(base, {name: tensor}).items())

@@ -75,3 +75,22 @@ def test_image_parts_are_refused_before_the_server(tiny_vl_dir: Path, tmp_path: 
     with pytest.raises(ConfigError, match="images are not supported yet"):
         AsyncGRPOTrainer(str(tiny_vl_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                          args=args, train_dataset=Dataset.from_list([{"prompt": image}]))
+
+
+def test_the_sync_sends_fused_moe_experts_by_their_checkpoint_names(tmp_path: Path) -> None:
+    """transformers 5 fuses a MoE layer's experts on load; the sync splits them back (vLLM loads checkpoint names)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.sync.gather import PolicyWeights
+    from trainer.sync.weight_sync import checkpoint_manifest
+
+    model_dir = build_tiny_model(tmp_path / "next", arch="qwen3_next")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
+    weights = PolicyWeights(model)
+    saved = load_file(model_dir / "model.safetensors")
+    check_against_manifest(weights.meta(), checkpoint_manifest(model_dir))
+    sent = dict(weights)
+    assert sent.keys() == saved.keys()
+    assert all(torch.equal(sent[n], saved[n]) for n in saved)
