@@ -11,7 +11,9 @@ adaptive concurrency cap up to 512 rollouts), 24-token completions. Each pipelin
   ``max_staleness`` steps of tokens, counted when the trainer takes a group off the queue;
   ``weight_sync_pause="reset"``: ``/pause?mode=keep`` clearing the KV cache, which preempts every
   running request);
-* ``default``: this project's defaults (see ``docs/pipeline.md``).
+* ``default``: this project's defaults (see ``docs/pipeline.md``);
+* ``cap64``: the defaults with ``max_concurrent_rollouts=64``: fewer requests in flight when a
+  sync comes (``--settings source,default,cap64``).
 
 Printed per run and as medians per setting, from the trainer's logs, after the first
 ``--skip`` steps (start-up): stale drops / samples that reached the trainer, sum of
@@ -48,6 +50,7 @@ COMPLETION_TOKENS = 24
 SETTINGS: dict[str, dict[str, Any]] = {
     "source": {"staleness_allowance": "source", "weight_sync_pause": "reset"},
     "default": {},
+    "cap64": {"max_concurrent_rollouts": 64},
 }
 _BOXED = re.compile(r"\\boxed\{([^}]*)\}")
 
