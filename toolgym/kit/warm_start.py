@@ -32,13 +32,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    BatchEncoding,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
@@ -48,7 +49,7 @@ from transformers import (
     TrainingArguments,
 )
 from transformers.trainer_callback import PrinterCallback
-from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import get_json_schema
 
 from environments.counter import IncrementEnv
 from toolgym.launch.threads import torch_threads
@@ -248,7 +249,7 @@ def synthetic_transcripts(config: WarmStartConfig) -> list[Transcript]:
         else:
             per_task.append([arithmetic_transcript(rng, config) for _ in range(count)])
     size = config.batch_size
-    chunks = zip(*([group[i : i + size] for i in range(0, len(group), size)] for group in per_task))
+    chunks = zip(*([group[i : i + size] for i in range(0, len(group), size)] for group in per_task), strict=True)
     return [t for chunk in chunks for batch in chunk for t in batch]
 
 
@@ -271,9 +272,12 @@ class WarmStartResult:
 
 def _training_sample(tokenizer: PreTrainedTokenizerBase, transcript: Transcript) -> TrainingSample:
     """One transcript as a training sample: only assistant turns (content and EOS) are trained."""
-    out = tokenizer.apply_chat_template(
-        transcript.messages, tools=transcript.tools, return_assistant_tokens_mask=True, return_dict=True
-    )
+    out = cast(BatchEncoding, tokenizer.apply_chat_template(  # return_dict=True: a BatchEncoding
+        transcript.messages,
+        tools=transcript.tools,  # type: ignore[arg-type]  # typed as an invariant list of dict-or-callable
+        return_assistant_tokens_mask=True,
+        return_dict=True,
+    ))
     ids = list(out["input_ids"])
     mask = list(out["assistant_masks"])
     sequence = TrainingSequence(input_ids=ids, loss_mask=mask, sampler_logprobs=[0.0] * len(ids))
@@ -326,11 +330,12 @@ def target_step_prob(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     samples = []
     for target in range(1, max_target + 1):
         env = IncrementEnv()
-        messages = [{"role": "user", "content": env.reset(target=target)},
+        messages: list[dict[str, Any]] = [{"role": "user", "content": env.reset(target=target)},
                     {"role": "assistant", "content": "", "tool_calls": [_tool_call("increment", {"step": target})]}]
         sample = _training_sample(tokenizer, Transcript(messages, counter_tools(), success=True))
         ids, mask = sample.sequence.input_ids, sample.sequence.loss_mask
-        step_at = next(i for i, (t, m) in enumerate(zip(ids, mask)) if m and tokenizer.decode([t]) == str(target))
+        step_at = next(i for i, (t, m) in enumerate(zip(ids, mask, strict=True))
+                       if m and tokenizer.decode([t]) == str(target))
         sample.sequence.loss_mask = [int(i == step_at) for i in range(len(ids))]
         samples.append(sample)
     with torch.no_grad():
@@ -464,7 +469,8 @@ def _generate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], temperature: float
 ) -> tuple[str, bool]:
     """One completion: its text (special tokens dropped) and whether it ended with EOS."""
-    output = model.generate(
+    # PreTrainedModel has no generate (the causal-LM classes mix GenerationMixin in): mypy sees nn.Module.__getattr__.
+    output = model.generate(  # type: ignore[operator]
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         max_new_tokens=64,
@@ -473,7 +479,8 @@ def _generate(
         top_k=0,
         top_p=1.0,
     )[0, len(prompt_ids) :].tolist()
-    return tokenizer.decode(output, skip_special_tokens=True), tokenizer.eos_token_id in output
+    text = cast(str, tokenizer.decode(output, skip_special_tokens=True))  # one sequence: one string
+    return text, tokenizer.eos_token_id in output
 
 
 def _counter_episode(
@@ -492,7 +499,7 @@ def _counter_episode(
             return True, env.get_reward() == 1.0
         for call in calls:
             args = call["arguments"]
-            if "error" in call or call["name"] != "increment" or set(args or {}) != {"step"}:
+            if "error" in call or call["name"] != "increment" or args is None or set(args) != {"step"}:
                 return False, False
             if type(args["step"]) is not int:  # bool is an int too, and not a step
                 return False, False
