@@ -22,6 +22,7 @@ A PEFT LoRA model yields its merged weights (base + the adapter's delta, compute
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,23 +48,24 @@ def _served_name(name: str) -> str:
     return name.replace("base_model.model.", "", 1).replace(".base_layer", "")
 
 
-def _lora_delta(module: nn.Module, adapters: list[str], name: str) -> torch.Tensor:
+def _lora_delta(module: Any, adapters: list[str], name: str) -> torch.Tensor:
     """The active adapters' delta of one LoRA layer: PEFT's own (any layer type) when unsharded; from
     the gathered A and B weights of a ``Linear`` layer when sharded (PEFT's reads the shards)."""
     from peft.utils.other import transpose
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(module.lora_A[adapters[0]].weight, DTensor):
-        return sum(module.get_delta_weight(a) for a in adapters)
-    if not isinstance(module.base_layer, nn.Linear):
+    sharded = isinstance(module.lora_A[adapters[0]].weight, DTensor)
+    if sharded and not isinstance(module.base_layer, nn.Linear):
         raise WeightSyncError(f"{name}: the sharded merged sync supports LoRA on nn.Linear layers only, "
                               f"not {type(module.base_layer).__name__}")
-    delta = None
+    parts = []
     for a in adapters:
-        b_a = full_tensor(module.lora_B[a].weight) @ full_tensor(module.lora_A[a].weight)
-        part = transpose(b_a, module.fan_in_fan_out) * module.scaling[a]
-        delta = part if delta is None else delta + part
-    return delta
+        if sharded:
+            b_a = full_tensor(module.lora_B[a].weight) @ full_tensor(module.lora_A[a].weight)
+            parts.append(transpose(b_a, module.fan_in_fan_out) * module.scaling[a])
+        else:
+            parts.append(module.get_delta_weight(a))
+    return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
 
 class PolicyWeights:
@@ -79,7 +81,7 @@ class PolicyWeights:
         self.skip = skip
         self.is_lora = hasattr(model, "peft_config")
 
-    def _lora_layers(self) -> dict[str, tuple[nn.Module, list[str]]]:
+    def _lora_layers(self) -> dict[str, tuple[Any, list[str]]]:
         """``<module>.base_layer.weight`` -> (LoRA layer, its active unmerged adapters)."""
         from peft.tuners.lora import LoraLayer
 

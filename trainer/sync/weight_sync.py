@@ -51,6 +51,7 @@ import torch
 from trainer.exceptions import VLLMServerError, WeightSyncError
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+TensorSource = Iterable[tuple[str, torch.Tensor]]  # a list, or a stream gathered while sent (trainer.sync.gather)
 
 
 class VLLMAdminClient:
@@ -177,11 +178,11 @@ class WeightSender(Protocol):
     def init(self) -> None:
         """One-time handshake with the server."""
 
-    def transfer(self, weights: NamedTensors, version: int) -> None:
+    def transfer(self, weights: TensorSource, version: int) -> None:
         """Run start -> update(s) -> finish(version) for ``weights``."""
 
 
-def _chunks(weights: NamedTensors, max_bytes: int) -> Iterator[NamedTensors]:
+def _chunks(weights: TensorSource, max_bytes: int) -> Iterator[NamedTensors]:
     chunk: NamedTensors = []
     size = 0
     for name, tensor in weights:
@@ -215,7 +216,7 @@ class SharedMemorySender:
         """Handshake: tells the server's engine which wire protocol we speak."""
         self.client.init_weight_transfer_engine({"protocol_version": 1})
 
-    def transfer(self, weights: NamedTensors, version: int) -> None:
+    def transfer(self, weights: TensorSource, version: int) -> None:
         """Write each chunk to shared memory, have the server load it, then finish."""
         from safetensors.torch import save_file
 
@@ -237,13 +238,14 @@ class SharedMemorySender:
 class _StaticSource:
     """A re-iterable (name, tensor) source in the shape vLLM's trainer engines expect."""
 
-    def __init__(self, weights: NamedTensors) -> None:
+    def __init__(self, weights: TensorSource) -> None:
         self.weights = weights
 
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        listed = self.weights.meta() if hasattr(self.weights, "meta") else self.weights  # streamed: no gather
+        meta = getattr(self.weights, "meta", None)  # streamed: described without gathering
+        listed: TensorSource = meta() if meta is not None else self.weights
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in listed]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -284,7 +286,7 @@ class NCCLSender:
         )
         self._engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.client, source=self._source)
 
-    def transfer(self, weights: NamedTensors, version: int) -> None:
+    def transfer(self, weights: TensorSource, version: int) -> None:
         """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""
         self._source.weights = weights
         self._engine.send_weights()
@@ -335,7 +337,7 @@ class WeightSynchronizer:
         meta = getattr(weights, "meta", None)  # a streamed source (trainer.sync.gather) is checked on its
         if meta is None:                       # metadata and gathered chunk by chunk while it is sent
             weights = list(weights)
-        check_against_manifest(meta() if meta is not None else weights, self.manifest)
+        check_against_manifest(meta() if meta is not None else list(weights), self.manifest)
         if not self._initialised:
             self.sender.init()
             self._initialised = True

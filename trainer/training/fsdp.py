@@ -45,10 +45,12 @@ def _env_true(name: str) -> bool:
 
 
 def _fsdp_version(fsdp_config: dict[str, Any] | str | None) -> int:
-    if isinstance(fsdp_config, str):
+    config: dict[str, Any]
+    if isinstance(fsdp_config, str):  # a JSON file, as TrainingArguments accepts
         with open(fsdp_config, encoding="utf-8") as f:
-            fsdp_config = json.load(f)
-    config = fsdp_config or {}
+            config = json.load(f)
+    else:
+        config = fsdp_config or {}
     return int(config.get("version", config.get("fsdp_version", 2)))
 
 
