@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -190,16 +191,17 @@ def _softmax_grad(
 
 
 _COMPILED: dict[Callable[..., object], Callable[..., object]] = {}
+_Fn = TypeVar("_Fn", bound=Callable[..., object])
 
 
-def _compiled(fn: Callable[..., object], x: torch.Tensor) -> Callable[..., object]:
+def _compiled(fn: _Fn, x: torch.Tensor) -> _Fn:
     """``fn`` compiled on CUDA (its (C, V) steps become a few passes over the logits, with no
     float32 (C, V) buffer); eager elsewhere (the CPU tests run the same code)."""
     if not x.is_cuda or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    return cast(_Fn, _COMPILED[fn])  # torch.compile keeps the signature
 
 
 def _fused_chunk(
@@ -249,7 +251,7 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,  # FunctionCtx, which declares neither needs_input_grad nor the attributes set here
         h: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -289,7 +291,7 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, *unused: torch.Tensor
+        ctx: Any, grad_loss: torch.Tensor, *unused: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         if ctx.grads is None:
             raise RuntimeError("the fused head loss stores its gradients once: it cannot be backpropagated twice")
@@ -332,7 +334,7 @@ def head_loss_from_hidden(
     """
     _check_head(lm_head, temperature)
     h = hidden[row.pred_index]  # (T, D): the positions that predict trained tokens
-    loss, logp, topk_logp, entropy = _HeadLoss.apply(
+    loss, logp, topk_logp, entropy = _HeadLoss.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
         h, lm_head.weight, lm_head.bias, row, temperature, token_loss, divisor, chunk_size
     )
     return loss, RowLogProbs(logp=logp, topk_logp=topk_logp, entropy=entropy)

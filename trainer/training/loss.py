@@ -12,7 +12,7 @@ combined statistics into the source's metric names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -212,7 +212,7 @@ Empty rows give the identities (0, +inf for a min, -inf for a max), so they comb
 
 def reduce_loss_stats(stats: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Combine the statistics of several rows or micro-batches (per :data:`STAT_REDUCTIONS`)."""
-    ops = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
+    ops: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
     stacked: dict[str, list[torch.Tensor]] = {}
     for s in stats:
         for key, value in s.items():

@@ -11,6 +11,7 @@ pad token of an empty row does not count). The trainer adds ``coef * aux_loss`` 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class RouterLogits:
         config = core.config
         self.num_experts = int(config.num_experts)
         self.top_k = int(config.num_experts_per_tok)
-        self._loss_func = sys.modules[type(core).__module__].load_balancing_loss_func
+        self._loss_func: Callable[..., torch.Tensor] = sys.modules[type(core).__module__].load_balancing_loss_func
         routers = [m for m in core.modules() if isinstance(m, recorder.target_class)]
         if not routers:
             raise ConfigError(f"{type(core).__name__}: found no {recorder.target_class.__name__} module to read "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class PackedRow:
         The per-trained-token tensors become views of that slice; the forwarded tokens are kept,
         so ``pred_index`` still points into the whole row.
         """
-        per_trained = {
+        per_trained: dict[str, Any] = {  # checked per field by dataclasses.replace, not by mypy
             name: value[tokens]
             for name in _TRAINED_FIELDS
             if isinstance(value := getattr(self, name), torch.Tensor)
@@ -89,7 +90,7 @@ class PackedRow:
 
     def to(self, device: torch.device | str) -> PackedRow:
         """Return a copy with every tensor on ``device``."""
-        moved = {
+        moved: dict[str, Any] = {
             f.name: value.to(device, non_blocking=True)
             for f in dataclasses.fields(self)
             if isinstance(value := getattr(self, f.name), torch.Tensor)

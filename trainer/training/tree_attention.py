@@ -18,12 +18,13 @@ attention function as is. :func:`packed_hidden_states` runs the model on a row.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 
 from trainer.exceptions import UnsupportedModelError
 from trainer.training.gated_deltanet import TreeLayout, enable_tree_gated_deltanet, gated_deltanet_modules
@@ -156,7 +157,9 @@ def tree_attention_forward(
     """
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
-        flex = _flex() if query.is_cuda else flex_attention
+        flex: Callable[..., torch.Tensor] = flex_attention
+        if query.is_cuda:
+            flex = _flex()
         out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
     else:
         if gqa:
@@ -176,7 +179,7 @@ def check_tree_attention_support(model: nn.Module) -> None:
     layers (Mamba2, short convolutions), sliding-window layers, attention sinks, attention logit
     soft-capping and attention dropout.
     """
-    config = model.config.get_text_config()
+    config = cast(PreTrainedModel, model).config.get_text_config()
     name = type(model).__name__
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
@@ -214,16 +217,19 @@ def enable_tree_attention(model: nn.Module) -> nn.Module:
     """
     check_tree_attention_support(model)
     AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
-    model.set_attn_implementation(TREE_ATTENTION)
+    cast(PreTrainedModel, model).set_attn_implementation(TREE_ATTENTION)
     enable_tree_gated_deltanet(model)
     return model
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside DDP/FSDP-style wrappers (those that keep it as ``.module``)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
+def unwrap_model(model: nn.Module) -> PreTrainedModel:
+    """The model inside DDP/FSDP-style wrappers (those that keep it as ``.module``).
+
+    Typed as the transformers model it is, or a PEFT model that forwards that model's attributes.
+    """
+    while isinstance(inner := getattr(model, "module", None), nn.Module):
+        model = inner
+    return cast(PreTrainedModel, model)
 
 
 def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
