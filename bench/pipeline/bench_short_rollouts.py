@@ -24,7 +24,11 @@ flight, vLLM preemptions, and the machine's 1-minute load average at the run's e
 Command (repository root, after ``make setup``; the server takes a vLLM slot)::
 
     /work/tools/vllm-slot .venv/bin/python bench/pipeline/bench_short_rollouts.py [--steps 30] [--rounds 1] \\
-        [--settings source,default] [--model DIR]
+        [--settings source,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
+
+``--token-budget 256`` makes a step take fewer samples than the server generates meanwhile (the
+regime where the queue fills to the allowance, as in issue 20); the figures measured with it are
+in ``docs/pipeline.md``.
 
 (``/work/tools/vllm-slot`` is this machine's wrapper for commands that start a vLLM server; elsewhere run
 the script directly.)
