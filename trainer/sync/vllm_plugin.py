@@ -58,7 +58,7 @@ def _engine_class() -> type:
         dtype_names: list[str]
         shapes: list[list[int]]
 
-    class SharedMemoryWeightTransferEngine(WeightTransferEngine):
+    class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
         """Receives checkpoint-format tensors from safetensors files in shared memory."""
 
         init_info_cls = SharedMemoryInitInfo
@@ -77,7 +77,7 @@ def _engine_class() -> type:
             initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]  # (*args) shim
             _restore_shared_parameters(self._aliases)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -101,7 +101,7 @@ def _engine_class() -> type:
                             f"the request says {dtype_name}{list(shape)}"
                         )
                     weights.append((name, tensor))
-            self.model.load_weights(weights)
+            self.model.load_weights(weights)  # type: ignore[operator]  # on every vLLM model class, not on nn.Module
 
         def shutdown(self) -> None:
             pass
