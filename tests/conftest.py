@@ -16,6 +16,10 @@ from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.sync.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
 
+# The env server fixtures (``server``, test environments) for every test folder: helpers are modules
+# imported as ``tests.<folder>.<module>``, fixtures come from here.
+pytest_plugins = ["tests.envserver.servers"]
+
 SERVER_MAX_MODEL_LEN = 1024
 
 # The tests train the tiny model on this CPU while the vLLM CPU server generates beside it. Two torch

@@ -8,7 +8,7 @@ import json
 import pytest
 import websockets
 
-from toolgym_fixtures import http_get, make_server, ws_url
+from tests.envserver.servers import http_get, make_server, ws_url
 
 TOKEN = "s3cret-token"
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from envserver._websocket import WebSocketProtocol
-from toolgym_fixtures import health, make_server, wait_until, ws_url
+from tests.envserver.servers import health, make_server, wait_until, ws_url
 from wire import RawSocket, call, frame_bytes, open_session
 
 MAX_FRAME = 4096

@@ -17,7 +17,7 @@ import websockets
 
 from environments.counter import IncrementEnv
 from envserver import EnvSpec, ServerConfig, ServerThread
-from toolgym_fixtures import ProbeEnv, health, request, ws_url
+from tests.envserver.servers import ProbeEnv, health, request, ws_url
 
 RELEASE = threading.Event()  # lets the blocked tools of HostileEnv return
 

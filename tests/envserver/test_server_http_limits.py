@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from toolgym_fixtures import http_get, make_server
+from tests.envserver.servers import http_get, make_server
 
 TOKEN = "s3cret-token"
 

@@ -14,7 +14,7 @@ import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
-from toolgym_fixtures import ProbeEnv, health, http_get, make_server, request, wait_until, ws_url
+from tests.envserver.servers import ProbeEnv, health, http_get, make_server, request, wait_until, ws_url
 
 
 def metric(server: Any, name: str, **labels: str) -> float:

@@ -10,7 +10,7 @@ import pytest
 import websockets
 
 from sdk import protocol
-from toolgym_fixtures import health, http_get, make_server, request, ws_url
+from tests.envserver.servers import health, http_get, make_server, request, ws_url
 
 
 def run(coro: Any) -> Any:

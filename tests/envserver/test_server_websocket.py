@@ -12,7 +12,7 @@ import json
 import pytest
 import websockets
 
-from toolgym_fixtures import health, make_server, request, ws_url
+from tests.envserver.servers import health, make_server, request, ws_url
 from wire import RawSocket, call, open_session
 
 

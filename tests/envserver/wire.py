@@ -10,7 +10,7 @@ import socket
 import time
 from typing import Any
 
-from toolgym_fixtures import ws_url
+from tests.envserver.servers import ws_url
 
 __all__ = ["RawSocket", "call", "frame_bytes", "open_session"]
 

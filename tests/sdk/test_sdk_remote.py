@@ -23,7 +23,7 @@ from sdk import (
     environment_tools,
     remote_factory,
 )
-from toolgym_fixtures import health, make_server, wait_until
+from tests.envserver.servers import health, make_server, wait_until
 
 
 def test_episode_reuse_and_lazy_connect(server):

@@ -1,7 +1,8 @@
-"""Test environments and server fixtures shared by tests/envserver, tests/sdk and tests/environments.
+"""Test environments and env server fixtures, shared by every test folder.
 
-Each of those folders' conftest.py star-imports this module, so the fixtures below are available
-there. Servers run in-process on a free loopback port (``envserver.ServerThread``).
+The root ``tests/conftest.py`` registers this module as a plugin, so its fixtures are available
+everywhere; its helpers are imported as ``from tests.envserver.servers import ...``. Servers run
+in-process on a free loopback port (``envserver.ServerThread``).
 """
 
 from __future__ import annotations
