@@ -22,7 +22,9 @@ reading from the socket pauses while the messages queued for the app hold ``max_
 reads the pongs), and before the handshake completes; so a connection holds at most about
 ``max_buffered_bytes`` plus two frames of ``ws_max_size``. A fragmented message must be complete
 within ``fragment_timeout`` seconds (else 1008) and its text is checked for UTF-8 fragment by
-fragment (1007 at the first bad fragment). While reading is paused because the app is behind,
+fragment (1007 at the first bad fragment). A protocol error waits (1 s at most) until the app has
+read the messages that came before the bad frame, so their replies still go out before the close
+frame (Autobahn's "strict" behaviour). While reading is paused because the app is behind,
 the keep-alive deadline and the fragment deadline wait: the peer is not the one late.
 """
 
@@ -49,6 +51,7 @@ logger = logging.getLogger("envserver.websocket")
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _CONT, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
+_FAIL_DELAY = 1.0  # seconds a protocol error waits for the app to read the messages before it
 _MAX_QUEUED = 64  # messages buffered for the app before reading from the socket pauses
 _State = Literal["handshake", "connecting", "responding", "open", "closed"]
 
@@ -95,6 +98,8 @@ class WebSocketProtocol(asyncio.Protocol):
         self._ping_timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
         self._fragment_timer: asyncio.TimerHandle | None = None
+        self._failure: tuple[int, str] | None = None  # a protocol error waiting for the app (``_fail``)
+        self._fail_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
 
@@ -295,7 +300,7 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._fail(1002, "a 64-bit payload length must have its most significant bit clear")
             elif length + self._fragment_size > self.max_size:
                 self._fail(1009, f"message larger than {self.max_size} bytes")
-            if self.disconnected or size < start + 4 + length:
+            if self.disconnected or self._failure is not None or size < start + 4 + length:
                 break
             payload = apply_mask(buffer[start + 4:start + 4 + length], buffer[start:start + 4])
             pos = start + 4 + length
@@ -350,16 +355,17 @@ class WebSocketProtocol(asyncio.Protocol):
             self._fragment_timer.cancel()
             self._fragment_timer = None
         if self._fragment_opcode == _TEXT:
-            self._deliver({"type": "websocket.receive", "text": "".join(parts)}, self._fragment_size)  # type: ignore[arg-type]
+            message: dict[str, Any] = {"type": "websocket.receive", "text": "".join(parts)}  # type: ignore[arg-type]
         else:
-            self._deliver({"type": "websocket.receive", "bytes": b"".join(parts)}, self._fragment_size)  # type: ignore[arg-type]
+            message = {"type": "websocket.receive", "bytes": b"".join(parts)}  # type: ignore[arg-type]
+        self._deliver(message, self._fragment_size)
 
     def _fragment_timed_out(self) -> None:
         if self._app_behind():  # the rest may be in the unread socket: the peer is not late
             self._fragment_timer = self.loop.call_later(self._fragment_timeout, self._fragment_timed_out)
             return
         self._fragment_timer = None
-        self._fail(1008, f"fragmented message not completed within {self._fragment_timeout:g} s")
+        self._fail_now(1008, f"fragmented message not completed within {self._fragment_timeout:g} s")
 
     def _message(self, opcode: int, payload: bytes) -> None:
         if self.close_sent:
@@ -392,8 +398,8 @@ class WebSocketProtocol(asyncio.Protocol):
 
     def _resume(self) -> None:
         if self._read_paused:
-            if (self.state != "open" or self._write_full() or self._queued_bytes > self._max_buffered // 2
-                    or len(self._events) > _MAX_QUEUED // 2):
+            if (self._failure is not None or self.state != "open" or self._write_full()
+                    or self._queued_bytes > self._max_buffered // 2 or len(self._events) > _MAX_QUEUED // 2):
                 return
         self._unpause()
 
@@ -438,12 +444,32 @@ class WebSocketProtocol(asyncio.Protocol):
         self.transport.close()
 
     def _fail(self, code: int, reason: str) -> None:
+        """A frame broke the protocol: fail the connection, after the app has read what came before.
+
+        Messages that arrived before the bad frame are the app's to answer first (what Autobahn
+        calls strict: the echo of a valid message, then the close), so while some are still queued
+        reading stops and the failure waits until the app has read them, ``_FAIL_DELAY`` at most.
+        """
+        if self.disconnected or self._failure is not None:
+            return
+        if not self._events or self.state != "open" or self.close_sent:
+            self._fail_now(code, reason)
+            return
+        self._failure = (code, reason)
+        self._pause()
+        self._fail_timer = self.loop.call_later(_FAIL_DELAY, self._fail_now, code, reason)
+
+    def _fail_now(self, code: int, reason: str) -> None:
         """Fail the connection (RFC 6455 section 7.1.7): send a close frame and stop reading frames.
 
         The TCP connection is half-closed rather than dropped: dropping it with unread bytes would
         reset it, and the peer could lose the close frame that says why. What the peer sends from
         now on is discarded until it closes, or for ``_CLOSE_TIMEOUT`` seconds at most.
         """
+        self._failure = None
+        if self._fail_timer is not None:
+            self._fail_timer.cancel()
+            self._fail_timer = None
         if self.disconnected:
             return
         self.disconnected = True
@@ -483,13 +509,13 @@ class WebSocketProtocol(asyncio.Protocol):
             self._ping_timer = self.loop.call_later(self.config.ws_ping_interval, self._ping)  # type: ignore[arg-type]
             return
         self._ping_timer = None
-        self._fail(1011, "keepalive ping timeout")
+        self._fail_now(1011, "keepalive ping timeout")
 
     def _cancel_timers(self) -> None:
-        for timer in (self._ping_timer, self._close_timer, self._fragment_timer):
+        for timer in (self._ping_timer, self._close_timer, self._fragment_timer, self._fail_timer):
             if timer is not None:
                 timer.cancel()
-        self._ping_timer = self._close_timer = self._fragment_timer = None
+        self._ping_timer = self._close_timer = self._fragment_timer = self._fail_timer = None
         self._ping_payload = None  # a late pong has no deadline left to cancel
 
     # ASGI
@@ -527,6 +553,9 @@ class WebSocketProtocol(asyncio.Protocol):
         """The next ASGI event: ``websocket.connect``, then ``receive`` messages, then ``disconnect``."""
         events = self._events
         while not events:
+            if self._failure is not None:  # the app has read what came before the bad frame
+                self._fail_now(*self._failure)
+                continue
             self._waiter = self.loop.create_future()
             await self._waiter
         event = events.popleft()

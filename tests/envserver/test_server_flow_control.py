@@ -18,7 +18,7 @@ import pytest
 
 from envserver._websocket import WebSocketProtocol
 from tests.envserver.servers import health, make_server, wait_until, ws_url
-from wire import RawSocket, call, frame_bytes, open_session
+from tests.envserver.wire import RawSocket, call, frame_bytes, open_session
 
 MAX_FRAME = 4096
 MAX_BUFFERED = 16384

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from envserver._wire import VALID_CLOSE
 from sdk.protocol import ErrorCode
 from tests.envserver.servers import health, make_server, wait_until
-from wire import RawSocket, call, frame_bytes, open_session
+from tests.envserver.wire import RawSocket, call, frame_bytes, open_session
 
 MAX_FRAME = 4096
 CODES = {code.value for code in ErrorCode}

@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from tests.envserver.servers import health, make_server, request, ws_url
-from wire import RawSocket, call, open_session
+from tests.envserver.wire import RawSocket, call, open_session
 
 
 @pytest.fixture(scope="module")
