@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from tests.envserver.servers import health, make_server, request, ws_url
-from tests.envserver.wire import RawSocket, call, open_session
+from tests.envserver.wire import RawSocket, call, frame_bytes, open_session
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,13 @@ def test_keepalive_pings_and_a_silent_peer_is_dropped(small):
     assert asyncio.run(answering())["ok"] is True
     raw.close()
     assert health(small)["sessions"] <= 1  # the dropped one awaits resume for resume_grace
+
+
+def test_a_request_before_a_bad_frame_is_answered_before_the_close(small):
+    raw = open_session(small)
+    request_frame = json.dumps({"id": 1, "op": "call", "tool": "increment", "args": {"step": 5}}).encode()
+    raw.sock.sendall(frame_bytes(0x1, request_frame) + frame_bytes(0x1, b'{"id": 2, "op": "ping"}', masked=False))
+    opcode, payload = raw.recv_frame()
+    assert (opcode, json.loads(payload)) == (0x1, {"id": 1, "ok": True, "result": "5"})  # once: lost to the close
+    assert raw.close_code() == 1002
+    raw.close()
