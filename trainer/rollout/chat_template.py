@@ -267,9 +267,10 @@ def render_prompt_text(
 ) -> str:
     """The text that :func:`render_prompt_ids` tokenizes (same arguments); image parts are refused."""
     refuse_image_parts(messages)
-    return tokenizer.apply_chat_template(  # type: ignore[return-value]
-        messages, tools=tools, chat_template=chat_template, add_generation_prompt=True, tokenize=False,
-        **chat_template_kwargs)
+    return tokenizer.apply_chat_template(  # type: ignore[return-value]  # tokenize=False: a str
+        messages,
+        tools=tools,  # type: ignore[arg-type]  # typed as an invariant list of dict-or-callable
+        chat_template=chat_template, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
 
 
 _IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image", "video", "video_url"})
@@ -284,7 +285,9 @@ def refuse_image_parts(messages: list[dict[str, Any]]) -> None:
     for i, message in enumerate(messages):
         parts = message.get("content") if isinstance(message, dict) else None
         for part in parts if isinstance(parts, list) else []:
-            if isinstance(part, dict) and (part.get("type") in _IMAGE_PART_TYPES or {"image", "image_url"} & part.keys()):
+            if isinstance(part, dict) and (
+                part.get("type") in _IMAGE_PART_TYPES or {"image", "image_url"} & part.keys()
+            ):
                 raise ConfigError(
                     f"message {i} ({message.get('role')!r}) has an image part ({part.get('type')!r}): images are not "
                     "supported yet; vision-language models train on text only, so give prompts as text"

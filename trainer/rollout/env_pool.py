@@ -27,7 +27,7 @@ class EnvironmentPool:
         if factory is None:
             self.factories: dict[str | None, EnvironmentFactory] = {}
         elif isinstance(factory, dict):
-            self.factories = dict(factory)
+            self.factories = {name: f for name, f in factory.items()}  # a copy, typed with the None key
         else:
             self.factories = {None: factory}
         self._free: dict[str | None, list[Any]] = {name: [] for name in self.factories}
@@ -50,7 +50,7 @@ class EnvironmentPool:
         name = row.get("environment")
         if name not in self.factories:
             raise KeyError(f"dataset row routes to environment {name!r}, but environment_factory only has "
-                           f"{sorted(self.factories)} (set the row's 'environment' column to one of them)")
+                           f"{sorted(self.factories, key=str)} (set the row's 'environment' column to one of them)")
         return name
 
     def acquire(self, name: str | None) -> Any:

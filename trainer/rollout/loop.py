@@ -20,9 +20,9 @@ import itertools
 import logging
 import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Collection, Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 import numpy as np
 
@@ -42,11 +42,10 @@ from trainer.records import (
 from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls
 from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
 from trainer.rollout.env_pool import EnvironmentPool
+from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.sampler_client import SamplerClient, SamplingParams
-from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
-from trainer.rollout.server_info import CandidatePath, check_turn_length, truncates
 from trainer.rollout.scoring import (
     RewardRunner,
     group_advantages,
@@ -54,6 +53,7 @@ from trainer.rollout.scoring import (
     reward_func_name,
     sum_rewards,
 )
+from trainer.rollout.server_info import CandidatePath, check_turn_length, truncates
 from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
 from trainer.rollout.tool_runner import (
     ToolRunner,
@@ -148,7 +148,8 @@ class AsyncRolloutLoop:
         self.skip_positions = frozenset(dataset_skip_positions)
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
-        self.chat_template_kwargs = dict(config.chat_template_kwargs or {})
+        # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
+        self.chat_template_kwargs = dict(cast("dict[str, Any] | None", config.chat_template_kwargs) or {})
         self.chat_template = chat_template
         self.lora_name = lora_name
         self._incremental_render: bool | None = None  # decided on the first rollout
@@ -467,7 +468,8 @@ class AsyncRolloutLoop:
             rejected_in_a_row = 0
             t0 = time.monotonic()
             waited = False
-            while not self.allowance.may_start(self.channels.token_allowance.value, self.channels.consumed_tokens.value):
+            channels = self.channels
+            while not self.allowance.may_start(channels.token_allowance.value, channels.consumed_tokens.value):
                 waited = True
                 await asyncio.sleep(0.02)
             if waited:
@@ -642,7 +644,7 @@ class AsyncRolloutLoop:
                rollout_ids: list[str] | None = None) -> QueuedGroup:
         n = len(group.completions)
         sources: dict[str, list[float | None]] = {
-            reward_func_name(f): values for f, values in zip(self.reward_funcs, func_rewards)}
+            reward_func_name(f): values for f, values in zip(self.reward_funcs, func_rewards, strict=True)}
         env_names = {e[0].__name__ for e in group.env_rewards if e is not None}
         for env_name in env_names:
             sources[env_name] = [e[1] if e is not None and e[0].__name__ == env_name else None

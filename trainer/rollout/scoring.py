@@ -107,7 +107,8 @@ class RewardRunner:
 
     async def _run(self, index: int, func: RewardFunc, kwargs: dict[str, Any], n: int) -> list[float | None]:
         name = reward_func_name(func)
-        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+        # An object with an async __call__ (not a callability test: B004 does not apply).
+        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):  # noqa: B004
             call = func(**kwargs)
         else:
             call = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(func, **kwargs))

@@ -15,7 +15,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +41,8 @@ def _as_text(value: Any) -> str:
 
 async def call_maybe_async(func: Callable[..., Any], executor: Executor | None, **kwargs: Any) -> Any:
     """Await ``func(**kwargs)`` when it is a coroutine function, else run it on ``executor``."""
-    if asyncio.iscoroutinefunction(func) or asyncio.iscoroutinefunction(getattr(func, "__call__", None)):
+    # An object with an async __call__ (not a callability test: B004 does not apply).
+    if asyncio.iscoroutinefunction(func) or asyncio.iscoroutinefunction(getattr(func, "__call__", None)):  # noqa: B004
         return await func(**kwargs)
     result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(func, **kwargs))
     if asyncio.iscoroutine(result):  # a sync wrapper that returned a coroutine
@@ -76,8 +77,9 @@ class ToolRunner:
     def __post_init__(self) -> None:
         self._by_name = {t.name: t for t in self.tools}
 
-    async def run(self, call: dict[str, Any]) -> ToolCallOutcome:
-        """Execute one parsed call (see :func:`trainer.rollout.chat_template.parse_tool_calls`)."""
+    async def run(self, call: Mapping[str, Any]) -> ToolCallOutcome:
+        """Execute one parsed call (a ``ToolCall`` or ``ToolCallFailure`` of
+        :func:`trainer.rollout.chat_template.parse_tool_calls`)."""
         name = call.get("name")
         if "error" in call:
             return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{call['error']}", failed=True, unknown=False,

@@ -67,10 +67,12 @@ class TrainingTemplate:
             return False
         try:
             for messages, schemas, generation in _agreement_probes(tools):
-                ours = tokenizer.apply_chat_template(messages, tools=schemas, chat_template=self.text,
+                # transformers types ``tools`` as an invariant list of dict-or-callable: a list of dicts is fine.
+                ours = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
+                                                     chat_template=self.text,
                                                      add_generation_prompt=generation, tokenize=False, **kw)
-                theirs = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=generation,
-                                                       tokenize=False, **kw)
+                theirs = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
+                                                       add_generation_prompt=generation, tokenize=False, **kw)
                 if ours != theirs:
                     return False
         except (TemplateError, TypeError, ValueError):  # the stock template cannot render a probe: not this family
@@ -88,9 +90,10 @@ TRAINING_TEMPLATES: tuple[TrainingTemplate, ...] = (
 )
 
 
-def _agreement_probes(
-    tools: list[dict[str, Any]] | None,
-) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]]:
+_Probe = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]
+
+
+def _agreement_probes(tools: list[dict[str, Any]] | None) -> list[_Probe]:
     """Conversations that a family's stock and training templates render identically.
 
     Returns:
@@ -105,7 +108,7 @@ def _agreement_probes(
                      "tool_calls": [call, call]}
     reasoned_bare_call = {"role": "assistant", "content": "", "reasoning_content": "Call.", "tool_calls": [call]}
     results = [{"role": "tool", "content": "2"}, {"role": "tool", "content": "4"}]
-    probes = []
+    probes: list[_Probe] = []
     for schemas in [tools, None] if tools else [None]:
         probes += [
             ([user], schemas, True),

@@ -17,10 +17,13 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.exceptions import RolloutWorkerError
 from trainer.records import QueuedGroup
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 POLL_S = 0.5
 
@@ -29,9 +32,9 @@ POLL_S = 0.5
 class WorkerChannels:
     """Everything shared between the trainer and the worker process (all picklable for spawn)."""
 
-    rollout_buffer: Any
-    metrics_queue: Any
-    exception_queue: Any
+    rollout_buffer: Queue[QueuedGroup]
+    metrics_queue: Queue[list[Any]]  # batches of metric records
+    exception_queue: Queue[str]  # the worker's traceback
     model_version: Any
     token_allowance: Any
     consumed_tokens: Any
