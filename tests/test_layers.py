@@ -84,3 +84,16 @@ def test_imports_only_go_down(path: Path, module: str) -> None:
     assert own is not None
     wrong = sorted(m for m in imports_of(path, module) if (layer := layer_of(m)) is not None and layer not in ALLOWED[own])
     assert not wrong, f"{module} ({own}) imports {wrong}, above or beside its layer"
+
+
+def test_the_training_side_imports_no_client_stack() -> None:
+    # The GPU image has torch and transformers but no websockets, aiohttp or gymnasium: the
+    # training side (and every package's errors, which derive from sdk.exceptions) must not need them.
+    import subprocess
+    import sys
+
+    probe = ("import sys, trainer.exceptions, trainer.training.loss, trainer.training.packing, "
+             "trainer.training.tree_attention; "
+             "print(sorted(m for m in ('websockets', 'aiohttp', 'gymnasium', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
