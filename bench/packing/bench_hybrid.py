@@ -112,51 +112,48 @@ def correctness(backends: list[str], device: str) -> None:
             print(f"  fla forward: {type(e).__name__}: {e}", flush=True)
 
 
+def table_line(model: torch.nn.Module, rows: dict[bool, list], label: str, shape: Shape, budget: int,
+               device: str, repeats: int) -> str:
+    """Warm up on every row length, time plain and tree rows (best of ``repeats``), one table line."""
+    step = lambda r: train_step(model, r)  # noqa: E731
+    for r in {r.num_unique_tokens: r for share in rows for r in rows[share]}.values():
+        print(f"  warm-up {label} {r.num_unique_tokens} tokens: {sync_time(lambda r=r: step(r), device):.1f}s",
+              flush=True)
+    best = {}
+    for share in (False, True):
+        times = [sum(sync_time(lambda r=r: step(r), device) for r in rows[share]) for _ in range(repeats)]
+        best[share] = sum(r.num_trained for r in rows[share]) / min(times)
+        print(f"  {shape.name} {label} share={share}: {len(rows[share])} rows, {[round(t, 2) for t in times]} s",
+              flush=True)
+    ratio = batch_metrics(rows[True], budget)["batch/packing_ratio"]
+    line = (f"| {shape.name} | {label} | {ratio:.2f} | {best[False]:,.0f} | {best[True]:,.0f} | "
+            f"{best[True] / best[False]:.2f}x | {best[True] / best[False] / ratio:.2f} |")
+    print(line, flush=True)
+    return line
+
+
 def throughput(hybrid_spec: dict, full_spec: dict, shapes: list[Shape], budget: int, backends: list[str],
                device: str, repeats: int) -> list[str]:
-    """Fused fwd+bwd trained tokens/s: hybrid plain vs tree (per backend), then the full-attention Qwen3 (plain)."""
-    hybrid = enable_tree_attention(make(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**hybrid_spec), torch.bfloat16,
-                                        device, checkpointing=True))
-    lines = []
-    per_shape_rows = {}
+    """Fused fwd+bwd trained tokens/s: hybrid plain vs tree (per backend), then the full-attention Qwen3."""
+    rows = {}
     for shape in shapes:
         samples = grpo_samples(shape, hybrid_spec["vocab_size"])
-        rows = {share: [r.to(device) for r in plan(samples, budget, share)] for share in (False, True)}
-        per_shape_rows[shape.name] = rows
-        ratio = batch_metrics(rows[True], budget)["batch/packing_ratio"]
+        rows[shape.name] = {share: [r.to(device) for r in plan(samples, budget, share)] for share in (False, True)}
+    lines = []
+    hybrid = enable_tree_attention(make(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**hybrid_spec), torch.bfloat16,
+                                        device, checkpointing=True))
+    for shape in shapes:
         for backend in backends:
             select_delta_rule(backend)
-            for r in {r.num_unique_tokens: r for share in rows for r in rows[share]}.values():
-                print(f"  warm-up {backend} {r.num_unique_tokens} tokens: "
-                      f"{sync_time(lambda r=r: train_step(hybrid, r), device):.1f}s", flush=True)
-            best = {}
-            for share in (False, True):
-                times = [sum(sync_time(lambda r=r: train_step(hybrid, r), device) for r in rows[share])
-                         for _ in range(repeats)]
-                best[share] = sum(r.num_trained for r in rows[share]) / min(times)
-                print(f"  {shape.name} {backend} share={share}: {len(rows[share])} rows, "
-                      f"{[round(t, 2) for t in times]} s", flush=True)
-            lines.append(f"| {shape.name} | Qwen3.5-2B hybrid, {backend} | {ratio:.2f} | {best[False]:,.0f} | "
-                         f"{best[True]:,.0f} | {best[True] / best[False]:.2f}x | "
-                         f"{best[True] / best[False] / ratio:.2f} |")
-            print(lines[-1], flush=True)
-    del hybrid
-    torch.cuda.empty_cache() if device == "cuda" else None
+            lines.append(table_line(hybrid, rows[shape.name], f"Qwen3.5-2B hybrid, {backend}", shape, budget,
+                                    device, repeats))
+    hybrid = None  # free its memory before the next model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     full = enable_tree_attention(make(Qwen3ForCausalLM, Qwen3Config(**full_spec), torch.bfloat16, device,
                                       checkpointing=True))
-    for shape in shapes:
-        rows = per_shape_rows[shape.name]
-        for r in {r.num_unique_tokens: r for share in rows for r in rows[share]}.values():
-            sync_time(lambda r=r: train_step(full, r), device)
-        best = {}
-        for share in (False, True):
-            times = [sum(sync_time(lambda r=r: train_step(full, r), device) for r in rows[share])
-                     for _ in range(repeats)]
-            best[share] = sum(r.num_trained for r in rows[share]) / min(times)
-        ratio = batch_metrics(rows[True], budget)["batch/packing_ratio"]
-        lines.append(f"| {shape.name} | full-attention Qwen3, same width | {ratio:.2f} | {best[False]:,.0f} | "
-                     f"{best[True]:,.0f} | {best[True] / best[False]:.2f}x | {best[True] / best[False] / ratio:.2f} |")
-        print(lines[-1], flush=True)
+    lines += [table_line(full, rows[shape.name], "full-attention Qwen3, same width", shape, budget, device, repeats)
+              for shape in shapes]
     return lines
 
 

@@ -25,6 +25,7 @@ import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,9 @@ def tree_causal_conv(
     width = weight.shape[-1]
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row N is the zero input above the root
     idx = torch.where(ancestors >= 0, ancestors, x.shape[0])  # (N, W)
-    out = sum(padded[idx[:, j]] * weight[:, width - 1 - j].to(x.dtype) for j in range(width))  # (N, C)
+    out = padded[idx[:, 0]] * weight[:, width - 1].to(x.dtype)  # (N, C): the token itself
+    for j in range(1, width):
+        out = out + padded[idx[:, j]] * weight[:, width - 1 - j].to(x.dtype)
     if bias is not None:
         out = out + bias.to(x.dtype)
     return F.silu(out) if activation == "silu" else out
@@ -276,7 +279,7 @@ def gated_deltanet_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _projections(m) is not None]
 
 
-def _projections(module: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+def _projections(module: Any) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
     """The input projection of a known Gated DeltaNet module: hidden (N, D) -> (qkv (N, C), z, b, a)."""
     if not all(hasattr(module, name) for name in ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_v_dim")):
         return None
@@ -290,7 +293,8 @@ def _projections(module: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tens
     if hasattr(module, "in_proj_qkvz") and hasattr(module, "fix_query_key_value_ordering"):  # Qwen3-Next
 
         def qwen3_next(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h)[None], module.in_proj_ba(h)[None])
+            qkvz, ba = module.in_proj_qkvz(h)[None], module.in_proj_ba(h)[None]
+            q, k, v, z, b, a = module.fix_query_key_value_ordering(qkvz, ba)
             qkv = torch.cat([x.reshape(h.shape[0], -1) for x in (q, k, v)], dim=-1)
             return qkv, z[0], b[0], a[0]
 
@@ -298,7 +302,7 @@ def _projections(module: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tens
     return None
 
 
-def _tree_forward(module: nn.Module, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+def _tree_forward(module: Any, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """One Gated DeltaNet layer on a packed row (batch of one): the stock math along trie paths."""
     h = hidden_states[0]  # (N, D)
     n = h.shape[0]
@@ -315,7 +319,8 @@ def _tree_forward(module: nn.Module, hidden_states: torch.Tensor, layout: TreeLa
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
     core = tree_gated_delta_rule(q, k, v, g, beta, layout).to(h.dtype)  # (N, Hv, V)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, n, -1))
+    out: torch.Tensor = module.out_proj(core.reshape(1, n, -1))
+    return out
 
 
 def _dispatching_forward(self: nn.Module, hidden_states: torch.Tensor, cache_params: object = None,
@@ -323,7 +328,9 @@ def _dispatching_forward(self: nn.Module, hidden_states: torch.Tensor, cache_par
     """The forward installed on a Gated DeltaNet module: the tree path for a :class:`TreeLayout`, else stock."""
     if isinstance(attention_mask, TreeLayout):
         return _tree_forward(self, hidden_states, attention_mask)
-    return type(self).forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    stock: torch.Tensor = type(self).forward(self, hidden_states, cache_params=cache_params,
+                                             attention_mask=attention_mask, **kwargs)
+    return stock
 
 
 def enable_tree_gated_deltanet(model: nn.Module) -> int:

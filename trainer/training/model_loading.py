@@ -12,6 +12,8 @@ no state for them), and the weight sync leaves them out (``trainer.sync.gather.P
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
@@ -45,7 +47,7 @@ def load_model(model_id: str, *, trust_remote_code: bool = False, **init_kwargs:
     return auto.from_pretrained(model_id, trust_remote_code=trust_remote_code, **init_kwargs)
 
 
-def language_model_parameter_names(model: nn.Module) -> set[str]:
+def language_model_parameter_names(model: Any) -> set[str]:
     """Names of the parameters of ``model``'s language model: its decoder and its output head."""
     parts = [model.get_decoder(), model.get_output_embeddings()]
     own = {id(p) for part in parts if part is not None for p in part.parameters()}
@@ -68,7 +70,7 @@ def freeze_outside_language_model(model: nn.Module) -> set[str]:
     return frozen
 
 
-def checkpoint_tensors(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One parameter of ``model`` as the checkpoint spells it: the names vLLM's loader maps.
 
     transformers 5 fuses some checkpoint tensors when it loads them (a MoE layer's experts become one

@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrids on tree-packed rows: each sample's log-probs and gradients equal a stock forward of it alone."""
+"""Gated DeltaNet hybrids on tree-packed rows: each sample's log-probs and gradients equal a stock forward of it."""
 
 from __future__ import annotations
 

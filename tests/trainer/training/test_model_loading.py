@@ -1,4 +1,4 @@
-"""Vision-language checkpoints train text-only: the vision tower is frozen, has no optimizer state and is never synced."""
+"""Vision-language checkpoints train text-only: the vision tower is frozen, has no optimizer state, is not synced."""
 
 from __future__ import annotations
 
