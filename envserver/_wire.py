@@ -19,7 +19,7 @@ __all__ = ["HTTP_REASONS", "VALID_CLOSE", "apply_mask", "close_frame", "frame", 
 try:
     from websockets.speedups import apply_mask  # C; ~0.5 us for a small frame
 except ImportError:  # pragma: no cover (websockets built without its C extension)
-    def apply_mask(data: bytes, mask: bytes) -> bytes:
+    def apply_mask(data: bytes | bytearray | memoryview[int], mask: bytes | bytearray) -> bytes:
         n = len(data)
         key = (mask * (n // 4 + 1))[:n]
         return (int.from_bytes(data, "little") ^ int.from_bytes(key, "little")).to_bytes(n, "little")

@@ -168,7 +168,7 @@ class Connection:
             return await self._replay(session, rid)
         op = frame.get("op")
         handler = _OPS.get(op) if isinstance(op, str) else None
-        if handler is None:
+        if handler is None or not isinstance(op, str):
             return self._frame_error(rid, ErrorCode.UNKNOWN_OP,
                                      f"unknown op {op!r}; expected one of {', '.join(_OPS)}")
         return await self._run(session, rid, op, handler, frame)
@@ -247,7 +247,7 @@ class Connection:
     async def _call(self, session: Session, frame: dict[str, Any]) -> str:
         name, arguments = frame.get("tool"), frame.get("args", {})
         info = session.spec.tools.get(name) if isinstance(name, str) else None
-        if info is None:
+        if info is None or not isinstance(name, str):
             raise _RequestError(ErrorCode.UNKNOWN_TOOL,
                                 f"unknown tool {name!r}; available: {', '.join(session.spec.tools) or 'none'}")
         try:

@@ -67,9 +67,10 @@ class EnvSpec:
             for tool, schema, is_async in class_tool_schemas(env_cls)
         }
         get_reward = getattr(env_cls, "get_reward", None)
+        reset = getattr(env_cls, "reset", None)  # checked above (to mypy env_cls is a bare type)
         return cls(
             name, factory, tools, callable(get_reward),
-            inspect.iscoroutinefunction(env_cls.reset), inspect.iscoroutinefunction(get_reward),
+            inspect.iscoroutinefunction(reset), inspect.iscoroutinefunction(get_reward),
         )
 
     def describe(self) -> dict[str, Any]:

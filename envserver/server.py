@@ -37,7 +37,7 @@ class EnvServer(uvicorn.Server):
             # Our own lean RFC 6455 protocol, and uvicorn's httptools protocol with a fast path to it.
             http=UpgradeFastPath, ws=WebSocketProtocol,
             ws_max_size=config.hard_frame_limit, ws_ping_interval=20.0, ws_ping_timeout=20.0,
-            timeout_graceful_shutdown=5.0, backlog=4096, lifespan="on",
+            timeout_graceful_shutdown=5, backlog=4096, lifespan="on",
             proxy_headers=False,  # nothing reads the client address; saves a middleware per request
         )
         uvicorn_config.env_config = config  # type: ignore[attr-defined]  # the wire limits (_websocket.limits_of)

@@ -8,6 +8,7 @@ they go back to the model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 _TYPE_CHECKS: dict[str, Any] = {
@@ -76,7 +77,7 @@ def _check_items(value: list[Any], schema: dict[str, Any], where: str) -> str | 
         prefix = schema["prefixItems"]
         if len(value) != len(prefix):
             return f"{where}: expected {len(prefix)} items, got {len(value)}"
-        pairs = zip(value, prefix)
+        pairs: Iterable[tuple[Any, Any]] = zip(value, prefix, strict=True)
     elif isinstance(schema.get("items"), dict):
         pairs = ((item, schema["items"]) for item in value)
     else:
