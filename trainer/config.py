@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,6 @@ import torch
 from transformers import TrainingArguments
 
 from trainer.exceptions import ConfigError
-from trainer.training.fsdp import refuse_unsupported_parallelism
-
 
 # The source's activation_checkpointing / activation_checkpointing_kwargs fields are TrainingArguments'
 # from transformers 5.23 on (inherited here); before, gradient_checkpointing* are the same settings.
@@ -30,6 +29,64 @@ _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in d
 
 def _bf16_supported() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+# ``fsdp`` string options that FSDP2 supports (transformers translates them into fsdp_config).
+FSDP2_OPTIONS = ("full_shard", "shard_grad_op", "offload", "auto_wrap")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def _fsdp_version(fsdp_config: dict[str, Any] | str | None) -> int:
+    config: dict[str, Any]
+    if isinstance(fsdp_config, str):  # a JSON file, as TrainingArguments accepts
+        with open(fsdp_config, encoding="utf-8") as f:
+            config = json.load(f)
+    else:
+        config = fsdp_config or {}
+    return int(config.get("version", config.get("fsdp_version", 2)))
+
+
+def _refuse_unsupported_parallelism(args: Any) -> None:
+    """Raise :class:`ConfigError` for parallelism this trainer does not support (``trainer.training.fsdp``).
+
+    Called by ``AsyncGRPOConfig`` before ``TrainingArguments`` processes the fields, so a DeepSpeed
+    config is refused before anything tries to import DeepSpeed. ``args.fsdp_config`` gets an explicit
+    ``version: 2`` when ``fsdp`` is set without one (older transformers default to FSDP1).
+    """
+    if args.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):
+        raise ConfigError("DeepSpeed is not supported by AsyncGRPOTrainer: shard with FSDP2 instead, "
+                          "e.g. AsyncGRPOConfig(fsdp='full_shard', fsdp_config={'version': 2}) (docs/distributed.md)")
+    pc = args.parallelism_config
+    for field_name, what in (("cp_size", "context"), ("sp_size", "sequence"), ("tp_size", "tensor")):
+        size = getattr(pc, field_name, None) or 1 if pc is not None else 1
+        if size > 1:
+            raise ConfigError(f"parallelism_config.{field_name}={size}: {what} parallelism is not supported (each "
+                              f"rank trains whole tree-packed rows, which it cannot split); use data-parallel "
+                              f"ranks, sharded with FSDP2 for memory, and set {field_name}=1")
+    if _env_true("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "2").strip() != "2":
+        raise ConfigError(f"the accelerate config asks for FSDP version {os.environ['FSDP_VERSION']}: only FSDP2 "
+                          "is supported; set fsdp_version: 2 in the accelerate config file")
+    if not args.fsdp:
+        return
+    options = args.fsdp.split() if isinstance(args.fsdp, str) else list(args.fsdp) if isinstance(args.fsdp, list) \
+        else []  # fsdp=True: everything is in fsdp_config
+    unsupported = [o for o in options if o not in FSDP2_OPTIONS]
+    if unsupported:
+        raise ConfigError(f"fsdp={args.fsdp!r}: {unsupported} exist only for FSDP1, which is not supported; "
+                          f"FSDP2 takes {list(FSDP2_OPTIONS)} (hybrid sharding: a 2-D device mesh, not an fsdp option)")
+    if isinstance(args.fsdp_config, dict) and (args.fsdp_config.get("xla") or args.fsdp_config.get("fsdp_xla")):
+        raise ConfigError("fsdp_config xla=True (PyTorch/XLA FSDP) is not supported; use FSDP2 on CUDA or CPU")
+    version = _fsdp_version(args.fsdp_config)
+    if version != 2:
+        raise ConfigError(f"fsdp_config version={version}: only FSDP2 is supported; set fsdp_config={{'version': 2}}")
+    if args.fsdp_config is None:
+        args.fsdp_config = {"version": 2}
+    elif isinstance(args.fsdp_config, dict) and "version" not in args.fsdp_config:
+        args.fsdp_config = {**args.fsdp_config, "version": 2}
+
 
 
 @dataclass
@@ -208,7 +265,7 @@ class AsyncGRPOConfig(TrainingArguments):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         if isinstance(self.model_init_kwargs, str):
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
-        refuse_unsupported_parallelism(self)  # DeepSpeed, cp/sp/tp, FSDP1: before the base class acts on them
+        _refuse_unsupported_parallelism(self)  # DeepSpeed, cp/sp/tp, FSDP1: before the base class acts on them
         super().__post_init__()
         self._validate()
 

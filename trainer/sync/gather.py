@@ -26,13 +26,24 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.core_model_loading import revert_weight_conversion
 
 from trainer.exceptions import WeightSyncError
-from trainer.training.model_loading import checkpoint_tensors
 
-__all__ = ["PolicyWeights", "adapter_state_dict", "full_tensor"]
+__all__ = ["PolicyWeights", "adapter_state_dict", "checkpoint_tensors", "full_tensor"]
 
 NamedTensor = tuple[str, torch.Tensor]
+
+
+def checkpoint_tensors(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One parameter of ``model`` as the checkpoint spells it: the names vLLM's loader maps.
+
+    transformers 5 fuses some checkpoint tensors when it loads them (a MoE layer's experts become one
+    ``experts.gate_up_proj`` and one ``experts.down_proj``); its own save path splits them back, and so
+    does this, one parameter at a time (meta tensors too). Other parameters come back unchanged.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
+    return list(revert_weight_conversion(base, {name: tensor}).items())
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

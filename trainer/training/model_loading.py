@@ -6,7 +6,7 @@ Of a vision-language model only the language model trains: :func:`freeze_outside
 sets ``requires_grad=False`` on the vision tower and the multimodal projector (so the optimizer holds
 no state for them), and the weight sync leaves them out (``trainer.sync.gather.PolicyWeights``'s
 ``skip``), so the server keeps the values it loaded. The sync sends the checkpoint's names
-(:func:`checkpoint_tensors`), which is what vLLM's loader for the architecture maps
+(``trainer.sync.gather.checkpoint_tensors``), which is what vLLM's loader for the architecture maps
 (``model.language_model.*`` -> its language model, ``model.visual.*`` -> its vision tower, ...).
 """
 
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
 
 __all__ = [
-    "checkpoint_tensors",
     "freeze_outside_language_model",
     "is_vision_language",
     "language_model_parameter_names",
@@ -68,14 +65,3 @@ def freeze_outside_language_model(model: nn.Module) -> set[str]:
         if name in frozen:
             p.requires_grad_(False)
     return frozen
-
-
-def checkpoint_tensors(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One parameter of ``model`` as the checkpoint spells it: the names vLLM's loader maps.
-
-    transformers 5 fuses some checkpoint tensors when it loads them (a MoE layer's experts become one
-    ``experts.gate_up_proj`` and one ``experts.down_proj``); its own save path splits them back, and so
-    does this, one parameter at a time (meta tensors too). Other parameters come back unchanged.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
-    return list(revert_weight_conversion(base, {name: tensor}).items())
