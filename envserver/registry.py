@@ -12,9 +12,9 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from environments import BUNDLED
 from envserver.exceptions import EnvSpecError
 from envserver.validation import ArgumentValidator
-from environments import BUNDLED
 from sdk import protocol
 from sdk.loading import load_target
 from sdk.tools import class_tool_schemas

@@ -82,7 +82,7 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 def word_budget_reward(completions: list[list[dict[str, Any]]], limit: list[int], **kwargs: Any) -> list[float]:
     """1.0 for an answer of at most ``limit`` words, else -(excess words / words), in (-1, 0)."""
     rewards = []
-    for completion, budget in zip(completions, limit):
+    for completion, budget in zip(completions, limit, strict=True):
         text = next((m.get("content") or "" for m in reversed(completion) if m.get("role") == "assistant"), "")
         words = len(text.split())
         rewards.append(1.0 if words <= budget else -(words - budget) / words)

@@ -67,7 +67,7 @@ def ground_truth_reward_func(
     matches = [re.search(r"\\boxed\{(.*?)\}", completion[0]["content"]) for completion in completions]
     contents = [match.group(1) if match else "" for match in matches]
     # Reward 1 if the content is the same as the ground truth, 0 otherwise
-    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth, strict=True)]
 
 
 # ---------------------------------------------------------------------------- example 5

@@ -82,7 +82,7 @@ def math_reward_func(
 ) -> list[float | None]:
     """1.0 for a correct math answer, -1.0 for a wrong one, None for the other tasks' rows."""
     rewards: list[float | None] = []
-    for completion, t, expected in zip(completions, task, answer):
+    for completion, t, expected in zip(completions, task, answer, strict=True):
         if t == "math":
             # Calculate math-specific reward
             correct = check_math_solution(completion, str(expected))
@@ -100,7 +100,7 @@ def coding_reward_func(
 ) -> list[float | None]:
     """1.0 when the code passes the row's tests, -1.0 when not, None for the other tasks' rows."""
     rewards: list[float | None] = []
-    for completion, t, row_tests in zip(completions, task, tests):
+    for completion, t, row_tests in zip(completions, task, tests, strict=True):
         if t == "code":
             # Calculate coding-specific reward
             works = test_code_solution(completion, list(row_tests or []))

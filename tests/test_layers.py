@@ -82,7 +82,9 @@ def library_modules() -> list[tuple[Path, str]]:
 def test_imports_only_go_down(path: Path, module: str) -> None:
     own = layer_of(module)
     assert own is not None
-    wrong = sorted(m for m in imports_of(path, module) if (layer := layer_of(m)) is not None and layer not in ALLOWED[own])
+    wrong = sorted(
+        m for m in imports_of(path, module) if (layer := layer_of(m)) is not None and layer not in ALLOWED[own]
+    )
     assert not wrong, f"{module} ({own}) imports {wrong}, above or beside its layer"
 
 

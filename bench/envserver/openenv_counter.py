@@ -18,7 +18,6 @@ from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-
 _LIVE: weakref.WeakSet[CounterEnvironment] = weakref.WeakSet()
 
 

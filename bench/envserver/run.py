@@ -26,8 +26,8 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time

@@ -26,9 +26,9 @@ import pytest
 
 from sdk.tools import environment_tools, tool_from_function
 from tests.trainer.events import StopOnceLogged, StopWhen
-from trainer.rollout.chat_template import render_prompt_ids
-from trainer.metrics import MetricWindow
 from toolgym.launch.vllm_server import VLLMServer
+from trainer.metrics import MetricWindow
+from trainer.rollout.chat_template import render_prompt_ids
 from trainer.sync.weight_sync import WeightSynchronizer
 
 EXAMPLES = ("custom_rewards", "multi_task_rewards", "tool_calling", "increment_env", "multi_environment", "curriculum")
@@ -274,7 +274,7 @@ def test_multi_environment_run(vllm_server: VLLMServer, tiny_model_dir: Path, tm
     monkeypatch.setattr(ex, "AsyncGRPOTrainer", functools.partial(ex.AsyncGRPOTrainer, callbacks=[seen]))
     trainer = _train("multi_environment", vllm_server, tiny_model_dir, tmp_path, "--episode-log", str(log),
                      max_steps=20, stop=seen)
-    routes = dict(zip(trainer.rollout_dataset["seed"], trainer.rollout_dataset["environment"]))
+    routes = dict(zip(trainer.rollout_dataset["seed"], trainer.rollout_dataset["environment"], strict=True))
     episodes = [json.loads(line) for line in log.read_text().splitlines()]
     expected_class = {"coding": "CodingEnv", "game": "GameEnv"}
     for episode in episodes:

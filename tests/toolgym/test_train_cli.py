@@ -51,7 +51,8 @@ def test_boolean_flag_without_value_and_default_output_dir(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"model": "m", "learnig_rate": 1e-5}, r"unknown field 'learnig_rate' in .*run.yaml; did you mean 'learning_rate'"),
-    ({"model": "m", "num_generation": 4}, r"unknown field 'num_generation' in .*run.yaml; did you mean 'num_generations'"),
+    ({"model": "m", "num_generation": 4},
+     r"unknown field 'num_generation' in .*run.yaml; did you mean 'num_generations'"),
     ({"learning_rate": 1e-5}, r"model is required"),
 ])
 def test_a_wrong_field_in_the_file_is_refused_with_a_clear_message(

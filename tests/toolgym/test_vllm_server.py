@@ -48,7 +48,7 @@ def test_token_id_prompt_returns_ids_logprobs_and_top_k(vllm_server: VLLMServer)
     assert len(turn.output_log_probs) == len(turn.output_ids)
     assert all(lp <= 0.0 for lp in turn.output_log_probs)
     assert turn.output_sampler_logprobs is not None and len(turn.output_sampler_logprobs) == len(turn.output_ids)
-    for token, lp, top in zip(turn.output_ids, turn.output_log_probs, turn.output_sampler_logprobs):
+    for token, lp, top in zip(turn.output_ids, turn.output_log_probs, turn.output_sampler_logprobs, strict=True):
         assert len(top) == 4
         assert max(top.values()) >= lp - 1e-6  # the top candidates are at least as likely
         if token in top:
@@ -185,7 +185,8 @@ def test_concurrent_seeded_long_prompts_do_not_kill_the_engine(vllm_server: VLLM
     async def go():
         async with SamplerClient(vllm_server.base_url, max_retries=0) as client:
             prompts = [[(7 * i + j) % 1900 + 3 for j in range(400)] for i in range(48)]
-            return await asyncio.gather(*(client.complete(p, SamplingParams(max_tokens=4, logprobs=1)) for p in prompts))
+            params = SamplingParams(max_tokens=4, logprobs=1)
+            return await asyncio.gather(*(client.complete(p, params) for p in prompts))
 
     turns = asyncio.run(go())
     assert len(turns) == 48 and all(t.output_ids for t in turns)

@@ -183,6 +183,6 @@ def test_assistant_tokens_mask_covers_the_generated_tokens(tokenizer: PreTrained
     out = tokenizer.apply_chat_template(
         messages, tools=counter_tools(), return_assistant_tokens_mask=True, return_dict=True
     )
-    trained = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    trained = [t for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
     assert tokenizer.decode(trained) == f"{CALL}<|im_end|>The counter is now 2.<|im_end|>"
 

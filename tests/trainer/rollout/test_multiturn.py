@@ -162,7 +162,7 @@ def _check_tool_rollout(rollout: Rollout, env_reward: Any) -> None:
             start = len(turn.prompt_ids)
             assert seq.input_ids[start:start + len(turn.output_ids)] == turn.output_ids
             assert all(seq.loss_mask[start:start + len(turn.output_ids)])
-        for turn, following in zip(rollout.turns, rollout.turns[1:]):  # tool results and glue: context only
+        for turn, following in zip(rollout.turns, rollout.turns[1:], strict=False):  # tool results and glue: context
             glue = slice(len(turn.prompt_ids) + len(turn.output_ids), len(following.prompt_ids))
             assert glue.stop > glue.start and not any(seq.loss_mask[glue])
         tool_messages = [m for m in rollout.completion if m["role"] == "tool"]
@@ -192,7 +192,8 @@ def test_local_environment_multi_turn_rollout(warm_server: VLLMServer, warm_mode
 def test_remote_environment_multi_turn_rollout(warm_server: VLLMServer, warm_model_dir: Path, tmp_path: Path) -> None:
     specs = {"counter": EnvSpec.from_factory("counter", IncrementEnv)}
     with ServerThread(specs, ServerConfig(port=0)) as envserver:
-        loop = _loop(warm_server, warm_model_dir, tmp_path, environment_factory=remote_factory(envserver.url, "counter"))
+        factory = remote_factory(envserver.url, "counter")
+        loop = _loop(warm_server, warm_model_dir, tmp_path, environment_factory=factory)
         results = _rollouts(loop, [{"target": t} for t in (2, 3, 4, 5)])
         rollout, env_reward = _pick_tool_rollout(results)
         _check_tool_rollout(rollout, env_reward)

@@ -113,7 +113,7 @@ def _play(tokenizer: PreTrainedTokenizerBase, template: str | None, kw: dict[str
 
 
 def _extends(tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]) -> bool:
-    for previous, text, prompt in zip(prompts, EPISODE, prompts[1:]):
+    for previous, text, prompt in zip(prompts, EPISODE, prompts[1:], strict=False):
         held = previous + tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if prompt[: len(held)] != held:
             return False
