@@ -195,8 +195,10 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen3") -> Pret
         "linear_value_head_dim": 128,
     }
     if arch == "qwen3_next":
-        return Qwen3NextConfig(  # untied: vLLM's Qwen3-Next never ties its LM head (it stayed zero: uniform logits)
-            **{**hybrid, "tie_word_embeddings": False}, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        # Untied: vLLM's Qwen3-Next never ties its LM head (a tied checkpoint served it zero: uniform logits).
+        return Qwen3NextConfig(
+            **{**hybrid, "tie_word_embeddings": False},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
         )  # sparse MoE layers: vLLM's Qwen3-Next refuses a model without one
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
