@@ -187,7 +187,7 @@ def main() -> None:
                     if not incremental:
                         loop._incremental_render = False
 
-                    async def run() -> dict[str, float]:
+                    async def run(loop: TimedLoop, concurrency: int) -> dict[str, float]:
                         try:
                             return await measure(loop, concurrency, args.seconds)
                         finally:
@@ -197,7 +197,7 @@ def main() -> None:
                     profiler = cProfile.Profile() if args.profile else None
                     if profiler is not None:
                         profiler.enable()
-                    rows.append((concurrency, incremental, asyncio.run(run())))
+                    rows.append((concurrency, incremental, asyncio.run(run(loop, concurrency))))
                     if profiler is not None:
                         profiler.disable()
                         args.profile.mkdir(parents=True, exist_ok=True)

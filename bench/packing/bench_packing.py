@@ -367,7 +367,7 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
             base = base or gib
             lines.append(f"| {checkpointing} | {name} | {gib:.2f} | {gib / base:.2f}x | {seconds:.3f} |")
             print(lines[-1], flush=True)
-        del model
+        model = None  # frees it before the next one is built
     return lines
 
 
@@ -385,7 +385,7 @@ def varying_rows(vocab: int, steps: int, budget: int, seed: int = 0, scale: int 
     600-1400-token prompt and 8 completions of 100-500 tokens each (lengths divided by ``scale``), as
     many groups as fit ``budget``."""
     rng, rows = random.Random(seed), []
-    for step in range(steps):
+    for _ in range(steps):
         samples: list[TrainingSample] = []
         tokens = 0
         for g in range(16):
@@ -439,7 +439,7 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
                          f"{max(r.num_unique_tokens for r in rows)} | {hfu:.1%} | {mfu:.1%} | {tps:,.0f} | "
                          f"{sum(c for _, c in compiles)} | {stalls} | {sum(times):.1f} |")
             print(lines[-1], [round(t, 3) for t in times], flush=True)
-        del model
+        model = None  # frees it before the next one is built
         torch.cuda.empty_cache()
     return lines
 

@@ -2,7 +2,8 @@
 
 Command (repository root, after ``make setup``)::
 
-    .venv/bin/python bench/pipeline/bench_pipeline.py [--concurrency 32] [--seconds 20] [--warmup 10] [--rounds 3] [--steps 8]
+    .venv/bin/python bench/pipeline/bench_pipeline.py \
+        [--concurrency 32] [--seconds 20] [--warmup 10] [--rounds 3] [--steps 8]
 
 Prints, measured in the same run against the same server:
 
@@ -290,9 +291,9 @@ def main() -> None:
                 idle0, step0 = idle_fraction(server, model_dir, str(Path(tmp) / "s0"), args.steps, 0)
     print(f"generated tokens/s @ {args.concurrency} (median of {args.rounds}): raw {raw:,.0f}, through the rollout "
           f"worker {via_worker:,.0f} ({via_worker / raw:.2f}x); per round, worker / raw "
-          f"{', '.join(f'{w / r:.2f}x' for r, w in zip(raws, workers))} (median "
-          f"{statistics.median(w / r for r, w in zip(raws, workers)):.2f}x: each round's windows are adjacent, "
-          f"so the paired ratio is the one the machine's drifting load disturbs least); server running "
+          f"{', '.join(f'{w / r:.2f}x' for r, w in zip(raws, workers, strict=True))} (median "
+          f"{statistics.median(w / r for r, w in zip(raws, workers, strict=True)):.2f}x: each round's windows are "
+          f"adjacent, so the paired ratio is the one the machine's drifting load disturbs least); server running "
           f"requests, worker / raw window (median): {statistics.median(fed):.2f}x")
     if not args.steps:
         return
