@@ -23,13 +23,20 @@ Qwen2.5/Qwen3 without reasoning blocks)::
 
 Consecutive tool messages share one ``user`` turn. Assistant turns (content and ``<|im_end|>``) are
 wrapped in ``{% generation %}`` so ``return_assistant_tokens_mask=True`` marks the trained tokens.
+
+Tool calls come in the format of the family whose template renders the conversation
+(:func:`tool_call_format`): the Qwen/Hermes ``<tool_call>{json}</tool_call>`` blocks above, or
+DeepSeek-V3's, where a turn's calls sit in one ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``
+section, one ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{arguments}\\n```<｜tool▁call▁end｜>``
+per call (newline-separated).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypedDict
+from collections.abc import Callable
+from typing import Any, Literal, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
@@ -37,6 +44,8 @@ from trainer.exceptions import ConfigError
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "DEEPSEEK_V3",
+    "HERMES",
     "EOS_TOKEN",
     "PAD_TOKEN",
     "EMPTY_REASONING",
@@ -45,6 +54,7 @@ __all__ = [
     "TOOL_CALL_START",
     "ToolCall",
     "ToolCallFailure",
+    "ToolCallFormat",
     "build_assistant_message",
     "check_prefix_preserving",
     "parse_tool_calls",
@@ -52,6 +62,7 @@ __all__ = [
     "render_prompt_ids",
     "render_prompt_text",
     "synthetic_replies",
+    "tool_call_format",
 ]
 
 IM_START = "<|im_start|>"
@@ -61,6 +72,30 @@ TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 TOOL_RESPONSE_START = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
+
+# DeepSeek-V3's tool-call markers.
+DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DS_CALLS_END = "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DS_CALL_END = "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+
+ToolCallFormat = Literal["hermes", "deepseek_v3"]
+HERMES: ToolCallFormat = "hermes"
+DEEPSEEK_V3: ToolCallFormat = "deepseek_v3"
+
+
+def tool_call_format(chat_template: object) -> ToolCallFormat:
+    """The tool-call format of the family whose chat template is ``chat_template``.
+
+    Args:
+        chat_template: The template the conversation renders with (a training template or the
+            tokenizer's own; anything but a string, e.g. ``None``, counts as the Qwen/Hermes default).
+
+    Returns:
+        :data:`DEEPSEEK_V3` when the template writes DeepSeek-V3 tool-call sections, else :data:`HERMES`.
+    """
+    return DEEPSEEK_V3 if isinstance(chat_template, str) and DS_CALLS_BEGIN in chat_template else HERMES
 
 CHAT_TEMPLATE = (
     "{%- macro text(content) -%}"
@@ -125,7 +160,8 @@ class ToolCallFailure(TypedDict):
     message and count a tool failure, instead of calling anything.
 
     Attributes:
-        name: The tool name when it could be read (valid JSON object with a string ``name``), else ``None``.
+        name: The tool name when it could be read (Qwen format: a valid JSON object with a string
+            ``name``; DeepSeek-V3: the name before the arguments), else ``None``.
         arguments: Always ``None``, so that ``tool(**call["arguments"])`` on a failure fails loudly.
         error: A one-line explanation meant for the model, e.g. ``"invalid tool call JSON: Expecting
             ',' delimiter (line 1, column 30)"``.
@@ -139,31 +175,76 @@ class ToolCallFailure(TypedDict):
 
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + "(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_DS_BLOCK = re.compile(re.escape(DS_CALL_BEGIN) + "(.*?)" + re.escape(DS_CALL_END), re.DOTALL)
+# Inside a DeepSeek-V3 call: TYPE<｜tool▁sep｜>NAME, a newline, the arguments in a ```json fence.
+_DS_BODY = re.compile(r"\s*\w+" + re.escape(DS_SEP) + r"([^\n]*)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
 
 
-def _read_call(raw: str) -> ToolCall | ToolCallFailure:
-    """Decode one block's JSON into a call, or explain why it is not one."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        error = f"invalid tool call JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-        return ToolCallFailure(name=None, arguments=None, error=error, raw=raw)
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        error = 'invalid tool call: expected {"name": <string>, "arguments": <object>}'
-        return ToolCallFailure(name=None, arguments=None, error=error, raw=raw)
-    arguments = obj.get("arguments", {})
+def _json_error(exc: json.JSONDecodeError) -> str:
+    return f"invalid tool call JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+
+
+def _with_arguments(name: str, arguments: Any, raw: str) -> ToolCall | ToolCallFailure:
+    """A call to ``name`` when ``arguments`` is an object (or a JSON string holding one), else a failure."""
     if isinstance(arguments, str):  # OpenAI style: arguments as a JSON string
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        error = f"invalid tool call to {obj['name']!r}: arguments must be a JSON object"
-        return ToolCallFailure(name=obj["name"], arguments=None, error=error, raw=raw)
-    return ToolCall(name=obj["name"], arguments=arguments)
+        error = f"invalid tool call to {name!r}: arguments must be a JSON object"
+        return ToolCallFailure(name=name, arguments=None, error=error, raw=raw)
+    return ToolCall(name=name, arguments=arguments)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall | ToolCallFailure]]:
+def _read_call(raw: str) -> ToolCall | ToolCallFailure:
+    """Decode one ``<tool_call>`` block's JSON into a call, or explain why it is not one."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return ToolCallFailure(name=None, arguments=None, error=_json_error(exc), raw=raw)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        error = 'invalid tool call: expected {"name": <string>, "arguments": <object>}'
+        return ToolCallFailure(name=None, arguments=None, error=error, raw=raw)
+    return _with_arguments(obj["name"], obj.get("arguments", {}), raw)
+
+
+def _read_deepseek_call(raw: str) -> ToolCall | ToolCallFailure:
+    """Decode one DeepSeek-V3 call (between its begin and end markers), or explain why it is not one."""
+    match = _DS_BODY.fullmatch(raw)
+    if match is None or not match.group(1).strip():
+        error = (f"invalid tool call: expected function{DS_SEP}<name>, a newline, then the arguments as a JSON "
+                 "object in a ```json block")
+        return ToolCallFailure(name=None, arguments=None, error=error, raw=raw)
+    name = match.group(1).strip()
+    try:
+        arguments = json.loads(match.group(2))
+    except json.JSONDecodeError as exc:
+        return ToolCallFailure(name=name, arguments=None, error=_json_error(exc), raw=raw)
+    return _with_arguments(name, arguments, raw)
+
+
+def _split_calls(text: str, block: re.Pattern[str], start: str,
+                 read: Callable[[str], ToolCall | ToolCallFailure]) -> tuple[str, list[ToolCall | ToolCallFailure]]:
+    """Cut every ``block`` out of ``text`` and ``read`` it; an unclosed ``start`` is an unterminated call."""
+    calls: list[ToolCall | ToolCallFailure] = []
+    pieces: list[str] = []
+    pos = 0
+    for match in block.finditer(text):
+        pieces.append(text[pos : match.start()])
+        calls.append(read(match.group(1)))
+        pos = match.end()
+    tail = text[pos:]
+    cut = tail.find(start)
+    if cut >= 0:
+        raw = tail[cut + len(start) :].strip()
+        calls.append(ToolCallFailure(name=None, arguments=None, error="unterminated tool call", raw=raw))
+        tail = tail[:cut]
+    pieces.append(tail)
+    return "".join(pieces), calls
+
+
+def parse_tool_calls(text: str, fmt: ToolCallFormat = HERMES) -> tuple[str, list[ToolCall | ToolCallFailure]]:
     """Split generated text into its content and its tool calls, in emitted order.
 
     Every ``<tool_call>...</tool_call>`` block becomes one record: a :class:`ToolCall`
@@ -172,32 +253,35 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall | ToolCallFailure]]:
     a :class:`ToolCallFailure` (test with ``"error" in call``). A ``<tool_call>`` never closed (a
     completion cut by the length limit) is a failure too. Parsing never raises.
 
+    With ``fmt=DEEPSEEK_V3`` every ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` is one record the
+    same way (its JSON is the fenced block after the name); a call or a calls section never closed is
+    a failure, and the section markers are removed from the content.
+
     Args:
         text: The decoded completion, without the end-of-turn token.
+        fmt: The rendering template's tool-call format (:func:`tool_call_format`).
 
     Returns:
         ``(content, calls)``: the text with every block removed, stripped of surrounding
         whitespace, and the records.
     """
-    calls: list[ToolCall | ToolCallFailure] = []
-    pieces: list[str] = []
-    pos = 0
-    for match in _BLOCK.finditer(text):
-        pieces.append(text[pos : match.start()])
-        calls.append(_read_call(match.group(1).strip()))
-        pos = match.end()
-    tail = text[pos:]
-    start = tail.find(TOOL_CALL_START)
-    if start >= 0:
-        raw = tail[start + len(TOOL_CALL_START) :].strip()
-        calls.append(ToolCallFailure(name=None, arguments=None, error="unterminated tool call", raw=raw))
-        tail = tail[:start]
-    pieces.append(tail)
-    return "".join(pieces).strip(), calls
+    if fmt == HERMES:
+        content, calls = _split_calls(text, _BLOCK, TOOL_CALL_START, lambda raw: _read_call(raw.strip()))
+        return content.strip(), calls
+    content, calls = _split_calls(text, _DS_BLOCK, DS_CALL_BEGIN, _read_deepseek_call)
+    if text.count(DS_CALLS_BEGIN) > text.count(DS_CALLS_END) and not (calls and "error" in calls[-1]):
+        raw = text[text.rfind(DS_CALLS_BEGIN) + len(DS_CALLS_BEGIN) :].strip()
+        calls.append(ToolCallFailure(name=None, arguments=None, error="unterminated tool call section", raw=raw))
+    return content.replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "").strip(), calls
 
 
-def _assistant_text(content: str, calls: list[ToolCall]) -> str:
-    """What :data:`CHAT_TEMPLATE` renders inside an assistant turn for this content and these calls."""
+def _assistant_text(content: str, calls: list[ToolCall], fmt: ToolCallFormat = HERMES) -> str:
+    """What a template of format ``fmt`` renders inside an assistant turn for this content and these calls."""
+    if fmt == DEEPSEEK_V3:
+        section = "\n".join(
+            f"{DS_CALL_BEGIN}function{DS_SEP}{c['name']}\n```json\n{json.dumps(c['arguments'], ensure_ascii=False)}"
+            f"\n```{DS_CALL_END}" for c in calls)
+        return content + (DS_CALLS_BEGIN + section + DS_CALLS_END if calls else "")
     blocks = [
         f'{TOOL_CALL_START}\n{{"name": {json.dumps(c["name"], ensure_ascii=False)}, '
         f'"arguments": {json.dumps(c["arguments"], ensure_ascii=False)}}}\n{TOOL_CALL_END}'
@@ -206,7 +290,7 @@ def _assistant_text(content: str, calls: list[ToolCall]) -> str:
     return "\n".join([content, *blocks] if content else blocks)
 
 
-def build_assistant_message(text: str) -> dict[str, Any]:
+def build_assistant_message(text: str, fmt: ToolCallFormat = HERMES) -> dict[str, Any]:
     """Turn generated text into the assistant message that the template renders back to ``text``.
 
     When ``text`` is in the template's own layout (content, then each call as
@@ -218,15 +302,19 @@ def build_assistant_message(text: str) -> dict[str, Any]:
     prompt still shows the model exactly what it wrote and keeps the token prefix. Either way, run
     the calls that :func:`parse_tool_calls` returns.
 
+    With ``fmt=DEEPSEEK_V3`` the layout is DeepSeek-V3's: the content, then one calls section with
+    each call as ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``.
+
     Args:
         text: The decoded completion, without the end-of-turn token.
+        fmt: The rendering template's tool-call format (:func:`tool_call_format`).
 
     Returns:
         The message dict to append to the conversation.
     """
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_tool_calls(text, fmt)
     good = [c for c in calls if "error" not in c]
-    if len(good) != len(calls) or _assistant_text(content, good) != text:  # type: ignore[arg-type]
+    if len(good) != len(calls) or _assistant_text(content, good, fmt) != text:  # type: ignore[arg-type]
         return {"role": "assistant", "content": text}
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if good:
@@ -302,19 +390,22 @@ EMPTY_REASONING = "<think>\n\n</think>\n\n"
 REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", EMPTY_REASONING)
 
 
-def synthetic_replies(tools: list[dict[str, Any]] | None, opening: str) -> list[tuple[str, list[str]]]:
+def synthetic_replies(tools: list[dict[str, Any]] | None, opening: str,
+                      fmt: ToolCallFormat = HERMES) -> list[tuple[str, list[str]]]:
     """The assistant texts of a synthetic tool conversation (as a model emits them) and their tool results.
 
     Args:
         tools: Tool schemas; the first one's name is called (a made-up ``lookup`` without tools).
         opening: What each assistant text starts with (one of :data:`REASONING_OPENINGS`).
+        fmt: The tool-call format the calls are written in.
 
     Returns:
         ``(assistant text, tool results)`` per turn: one call, then some text and two calls.
     """
     name = tools[0]["function"]["name"] if tools else "lookup"
-    call = _assistant_text("", [ToolCall(name=name, arguments={"step": 2})])
-    return [(opening + call, ["2"]), (opening + "Two more.\n" + call + "\n" + call, ["4", "6"])]
+    call = ToolCall(name=name, arguments={"step": 2})
+    return [(opening + _assistant_text("", [call], fmt), ["2"]),
+            (opening + _assistant_text("Two more.", [call, call], fmt), ["4", "6"])]
 
 
 def check_prefix_preserving(
@@ -328,7 +419,7 @@ def check_prefix_preserving(
     :data:`REASONING_OPENINGS`: each turn's prompt ids followed by the ids of the assistant text (as
     tokenized, plus EOS: what a model emitting it produces) must start the next turn's prompt ids,
     with the assistant message built from the text by :func:`build_assistant_message`, as the loop
-    does.
+    does. The calls are written in the checked template's format (:func:`tool_call_format`).
 
     Args:
         tokenizer: The tokenizer whose chat template is checked; its EOS ends a completion.
@@ -344,16 +435,17 @@ def check_prefix_preserving(
         Whatever ``apply_chat_template`` raises for a template that cannot render a tool
         conversation at all (no template, ``TemplateError``): the rollout loop could not run either.
     """
+    fmt = tool_call_format(chat_template or tokenizer.chat_template)
     for opening in REASONING_OPENINGS:
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Please do it in two calls."},
         ]
         previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
-        for text, results in synthetic_replies(tools, opening):
+        for text, results in synthetic_replies(tools, opening, fmt):
             completion = tokenizer(text, add_special_tokens=False)["input_ids"]
             expected = previous + list(completion) + [tokenizer.eos_token_id]
-            messages += [build_assistant_message(text), *({"role": "tool", "content": r} for r in results)]
+            messages += [build_assistant_message(text, fmt), *({"role": "tool", "content": r} for r in results)]
             previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
             if previous[: len(expected)] != expected:
                 return False

@@ -2,7 +2,8 @@
 
 The multi-turn loop re-renders the whole conversation every turn. A stock template that rewrites
 history (Qwen3's drops or re-spaces the reasoning of earlier assistant turns, and drops the empty
-reasoning block that its ``enable_thinking=False`` generation prompt adds) makes each turn's prompt
+reasoning block that its ``enable_thinking=False`` generation prompt adds; DeepSeek-V3's cuts earlier
+assistant turns up to their last ``</think>``) makes each turn's prompt
 disagree with the tokens held so far, so every turn forks a new training sequence (SPEC §7: correct,
 but each fork re-forwards the conversation). For the families below toolgym ships its own *training
 template* (``trainer/rollout/templates/*.jinja``): it renders the generation prompt and the last assistant
@@ -87,6 +88,8 @@ def _read_template(filename: str) -> str:
 
 TRAINING_TEMPLATES: tuple[TrainingTemplate, ...] = (
     TrainingTemplate("Qwen3", "qwen3_training.jinja", ("<|im_start|>", "<think>", "</think>", "<tool_call>")),
+    TrainingTemplate("DeepSeek-V3", "deepseek_v3_training.jinja", (
+        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>")),
 )
 
 
