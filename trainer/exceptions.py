@@ -13,6 +13,9 @@
         ├── RewardFunctionError (ValueError)   a reward function raised or returned a wrong-length list
         ├── RewardTimeoutError (TimeoutError)  a reward function hung past ``reward_timeout`` again and again
         ├── CheckpointSaveError (OSError)      a checkpoint could not be written (disk full...); older ones intact
+        ├── OpenAIRequestError         the harness endpoint refuses an agent's request (sent as OpenAI's error)
+        ├── AgentCommandError          a command agent exited non-zero (its rollout fails)
+        ├── RolloutFailed              one rollout could not run; the group goes on without it
         └── ConfigError (ValueError)   a config field, or a combination of fields, is invalid
 """
 
@@ -89,3 +92,34 @@ class OversizeSampleError(TrainerError, ValueError):
         )
         self.sample = sample
         self.token_budget = token_budget
+
+
+class OpenAIRequestError(TrainerError):
+    """A request the harness endpoint refuses, answered as OpenAI's error object with ``status``.
+
+    Args:
+        message: What is wrong, for the agent's developer.
+        status: The HTTP status.
+        code: OpenAI's machine-readable ``code`` (``"rollout_finished"``, ``"context_length_exceeded"``...).
+        param: The offending request field, when there is one.
+    """
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+class AgentCommandError(TrainerError):
+    """A command agent exited with a non-zero status (the message has its stderr's tail)."""
+
+
+class RolloutFailed(TrainerError):
+    """A rollout could not run (its environment's reset raised, its agent crashed...): the group goes on
+    without it.
+
+    Raise it from :meth:`trainer.rollout.loop.AsyncRolloutLoop.run_rollout` to fail only that rollout
+    (it is logged and counted in ``rollout/failed_count``); any other exception stops the run.
+    """

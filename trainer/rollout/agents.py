@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdk.tools import Tool
-from trainer.exceptions import ConfigError
+from trainer.exceptions import AgentCommandError, ConfigError
 from trainer.rollout.tool_runner import ToolRunner
 
 __all__ = ["Agent", "AgentOutcome", "AgentTask", "check_agent", "run_agent"]
@@ -199,10 +199,6 @@ async def run_agent(agent: Callable[..., Any] | list[str], task: AgentTask, canc
         return AgentOutcome(error=str(exc), wall_s=wall_s)
 
 
-class CommandFailed(Exception):
-    """A command agent exited with a non-zero status (the message has its stderr's tail)."""
-
-
 async def _tail(stream: asyncio.StreamReader) -> bytes:
     kept = b""
     while chunk := await stream.read(65536):
@@ -247,7 +243,7 @@ async def _run_command(argv: list[str], task: AgentTask) -> float | None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.stderr.read()), _PIPE_DRAIN_S)
     if code != 0:
-        raise CommandFailed(f"{shlex.join(argv)} exited with status {code}; stderr ends with:\n"
+        raise AgentCommandError(f"{shlex.join(argv)} exited with status {code}; stderr ends with:\n"
                             f"{err.decode(errors='replace')[-2000:]}")
     lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
     try:

@@ -16,13 +16,14 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from sdk.tools import Tool
+from trainer.exceptions import RolloutFailed
 from trainer.records import Rollout, TurnRecord
 from trainer.rollout.agents import AgentTask, check_agent, run_agent
 from trainer.rollout.harness import CaptureServer, CaptureSession
-from trainer.rollout.loop import AsyncRolloutLoop, RolloutFailed
+from trainer.rollout.loop import AsyncRolloutLoop
 
 if TYPE_CHECKING:
-    from trainer.harness_trainer import HarnessAsyncGRPOConfig
+    from trainer.harness_config import HarnessAsyncGRPOConfig
 
 __all__ = ["HarnessRolloutLoop"]
 

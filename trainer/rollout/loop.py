@@ -29,7 +29,7 @@ import numpy as np
 from sdk.exceptions import ServerDrainingError, ServerUnavailableError, SessionLostError, ToolgymError
 from sdk.tools import Tool, environment_tools
 from trainer.config import AsyncGRPOConfig
-from trainer.exceptions import RolloutWorkerError, TrainerError, VLLMServerError
+from trainer.exceptions import RolloutFailed, RolloutWorkerError, TrainerError, VLLMServerError
 from trainer.metrics import RecordBuffer
 from trainer.records import (
     QueuedGroup,
@@ -39,7 +39,7 @@ from trainer.records import (
     TurnRecord,
     adapter_name,
 )
-from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls, tool_call_format
+from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls
 from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
 from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
@@ -73,14 +73,6 @@ FAILING_ROLLOUTS_LIMIT = 32  # consecutive failed rollouts (none succeeding) bef
 ENV_RETRIES = 2  # restarts of a rollout on another environment after its env server or session was lost
 # The env server or the session went away mid-episode: the rollout starts over on another instance.
 _ENVIRONMENT_LOST = (ServerUnavailableError, SessionLostError, ServerDrainingError)
-
-
-class RolloutFailed(Exception):
-    """A rollout could not run (its environment's reset raised, ...): the group goes on without it.
-
-    Raise it from :meth:`AsyncRolloutLoop.run_rollout` to fail only that rollout (it is logged and
-    counted in ``rollout/failed_count``); any other exception stops the run.
-    """
 
 
 class AsyncRolloutLoop:
@@ -277,7 +269,6 @@ class AsyncRolloutLoop:
         render = ConversationRenderer(self.tokenizer, schemas, self.chat_template, self._incremental_render,
                                       **self.chat_template_kwargs)
         runner = ToolRunner(tools, self.executor)
-        fmt = tool_call_format(self.chat_template or self.tokenizer.chat_template)  # the family's call syntax
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []
         calls = failures = iterations = 0
@@ -287,10 +278,10 @@ class AsyncRolloutLoop:
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            message = build_assistant_message(text, fmt)
+            message = build_assistant_message(text)
             messages.append(message)
             completion.append(message)
-            _, parsed = parse_tool_calls(text, fmt) if tools else ("", [])
+            _, parsed = parse_tool_calls(text) if tools else ("", [])
             if not parsed or not turn.output_ids:
                 break
             limit = self.config.max_tool_calling_iterations

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.exceptions import TrainerError
+from trainer.exceptions import OpenAIRequestError
 from trainer.rollout.chat_template import parse_tool_calls
 
 __all__ = [
@@ -31,24 +31,6 @@ __all__ = [
     "parse_chat_request",
     "reply_from_text",
 ]
-
-
-class OpenAIRequestError(TrainerError):
-    """A request the endpoint refuses, answered as OpenAI's error object with ``status``.
-
-    Args:
-        message: What is wrong, for the agent's developer.
-        status: The HTTP status.
-        code: OpenAI's machine-readable ``code`` (``"rollout_finished"``, ``"context_length_exceeded"``...).
-        param: The offending request field, when there is one.
-    """
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.param = param
 
 
 def error_body(error: OpenAIRequestError) -> dict[str, Any]:

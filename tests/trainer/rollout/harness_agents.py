@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer.exceptions import RolloutFailed
 from trainer.harness_trainer import HarnessAsyncGRPOTrainer
 from trainer.records import Rollout
 from trainer.rollout.agents import AgentTask
 from trainer.rollout.harness_loop import HarnessRolloutLoop
-from trainer.rollout.loop import RolloutFailed
 from trainer.rollout.reconcile import reconcile_turns
 
 MODES = ("normal", "stream", "rewrite", "crash", "normal", "hang", "stream", "normal")
