@@ -39,7 +39,7 @@ from trainer.records import (
     TurnRecord,
     adapter_name,
 )
-from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls
+from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls, tool_call_format
 from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
 from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
@@ -269,6 +269,7 @@ class AsyncRolloutLoop:
         render = ConversationRenderer(self.tokenizer, schemas, self.chat_template, self._incremental_render,
                                       **self.chat_template_kwargs)
         runner = ToolRunner(tools, self.executor)
+        fmt = tool_call_format(self.chat_template or self.tokenizer.chat_template)  # the family's call syntax
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []
         calls = failures = iterations = 0
@@ -278,10 +279,10 @@ class AsyncRolloutLoop:
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            message = build_assistant_message(text)
+            message = build_assistant_message(text, fmt)
             messages.append(message)
             completion.append(message)
-            _, parsed = parse_tool_calls(text) if tools else ("", [])
+            _, parsed = parse_tool_calls(text, fmt) if tools else ("", [])
             if not parsed or not turn.output_ids:
                 break
             limit = self.config.max_tool_calling_iterations
