@@ -7,7 +7,10 @@ key ``k`` is visible to query ``q`` iff ``dfs_enter[k] <= dfs_enter[q] < dfs_lea
 * CUDA: FlexAttention (compiled) with a :class:`BlockMask` built straight from the intervals in
   O(tokens + blocks²) memory; no tokens x tokens tensor exists anywhere.
 * CPU: dense ``scaled_dot_product_attention`` with a boolean mask (FlexAttention refuses backward
-  on CPU; rows there are small).
+  on CPU; rows there are small); explicit scores when the model soft-caps attention logits.
+
+Sliding-window layers (Gemma 2) get their own mask, the tree mask cut to the last ``window``
+positions of each query's path (:func:`dense_window_mask`).
 
 :func:`enable_tree_attention` registers the backend under :data:`TREE_ATTENTION` and switches a
 model to it, so stock classes (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ...) run unchanged:
@@ -33,8 +36,10 @@ from trainer.training.packing import PackedRow
 __all__ = [
     "TREE_ATTENTION",
     "UnsupportedModelError",
+    "check_softcap_device",
     "check_tree_attention_support",
     "dense_tree_mask",
+    "dense_window_mask",
     "enable_tree_attention",
     "flex_tree_mask",
     "packed_hidden_states",
@@ -57,6 +62,16 @@ def dense_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> torch.T
     return visible[None, None]
 
 
+def dense_window_mask(position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The (1, 1, N, N) boolean sliding-window part: ``mask[q, k]`` iff ``position[q] - position[k] < window``.
+
+    In a packed row the positions are trie depths, so ANDed with the tree mask (which keeps only
+    ``k``'s on ``q``'s path) this keeps the last ``window`` tokens of ``q``'s own sequence, as the
+    model's sliding-window layers do on that sequence alone.
+    """
+    return (position_ids[:, None] - position_ids[None, :] < window)[None, None]
+
+
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask's compressed form of a (Qb, Kb) block matrix: counts (1,1,Qb) and indices (1,1,Qb,Kb)."""
     counts = blocks.sum(-1, dtype=torch.int32)
@@ -65,12 +80,21 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
-def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMask:
+def flex_tree_mask(
+    dfs_enter: torch.Tensor,
+    dfs_leave: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
+) -> BlockMask:
     """A FlexAttention :class:`BlockMask` for a depth-first row, built from its intervals.
 
     The layout is pre-order, so ``dfs_enter`` is ``arange(N)`` and the queries that see key ``k``
     are exactly the range ``[k, leave[k])``: the query tiles it touches are contiguous, which gives
     every tile's "partial" and "full" status from a difference array over tiles (no N x N tensor).
+
+    With ``window`` (and the row's ``position_ids``), the mask also hides keys ``window`` or more
+    positions up the query's path (a sliding-window layer, :func:`dense_window_mask`). Every tile
+    the tree reaches then stays partial, so the mask function runs on all of them.
     """
     n, bs, device = dfs_enter.numel(), FLEX_BLOCK_SIZE, dfs_enter.device
     if not torch.equal(dfs_enter, torch.arange(n, device=device)):
@@ -81,8 +105,19 @@ def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMas
     enter = torch.cat([dfs_enter, torch.full((padded - n,), padded, device=device, dtype=dfs_enter.dtype)])
     leave = torch.cat([dfs_leave, torch.zeros(padded - n, device=device, dtype=dfs_leave.dtype)])
 
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    def tree_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (enter[kv_idx] <= enter[q_idx]) & (enter[q_idx] < leave[kv_idx])
+
+    mask_mod = tree_mod
+    if window is not None:
+        if position_ids is None:
+            raise ValueError("flex_tree_mask needs the row's position_ids for a sliding window")
+        pos = torch.cat([position_ids, position_ids.new_zeros(padded - n)])
+
+        def window_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return tree_mod(b, h, q_idx, kv_idx) & (pos[q_idx] - pos[kv_idx] < window)
+
+        mask_mod = window_mod
 
     keys = torch.arange(n, device=device)
     first_tile = keys // bs  # (N,) query tile of the key's first visible query (itself)
@@ -102,6 +137,8 @@ def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMas
     min_leave.scatter_reduce_(0, first_tile, dfs_leave, reduce="amin")
     full = (tile_end[None, :] - 1 <= tile_start[:, None]) & (min_leave[None, :] >= tile_end[:, None])  # (Qb, Kb)
     full &= whole[:, None] & whole[None, :]
+    if window is not None:
+        full = torch.zeros_like(full)  # a window may cut any tile: the mask function decides everywhere
     partial = any_visible & ~full
     partial_num, partial_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
@@ -110,11 +147,17 @@ def flex_tree_mask(dfs_enter: torch.Tensor, dfs_leave: torch.Tensor) -> BlockMas
     )
 
 
-def tree_mask(row: PackedRow) -> torch.Tensor | BlockMask:
-    """The attention mask of ``row`` on its device: a FlexAttention BlockMask on CUDA, a dense mask elsewhere."""
+def tree_mask(row: PackedRow, window: int | None = None) -> torch.Tensor | BlockMask:
+    """The attention mask of ``row`` on its device: a FlexAttention BlockMask on CUDA, a dense mask elsewhere.
+
+    With ``window``, the mask of a sliding-window layer of that width (see :func:`dense_window_mask`).
+    """
     if row.dfs_enter.is_cuda:
-        return flex_tree_mask(row.dfs_enter, row.dfs_leave)
-    return dense_tree_mask(row.dfs_enter, row.dfs_leave)
+        return flex_tree_mask(row.dfs_enter, row.dfs_leave, row.position_ids, window)
+    mask = dense_tree_mask(row.dfs_enter, row.dfs_leave)
+    if window is not None:
+        mask &= dense_window_mask(row.position_ids, window)
+    return mask
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
@@ -155,47 +198,122 @@ def tree_attention_forward(
     Returns:
         The attention output (B, N, Hq, d) and ``None`` (no weights).
     """
+    softcap = cast(float | None, kwargs.get("softcap"))
+    window = cast(int | None, kwargs.get("sliding_window"))
+    if softcap is not None:
+        check_softcap_device(query.device)
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
         flex: Callable[..., torch.Tensor] = flex_attention
         if query.is_cuda:
             flex = _flex()
-        out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        score_mod = None if softcap is None else _softcap_score_mod(softcap)
+        out = flex(
+            query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling, enable_gqa=gqa
+        )
     else:
         if gqa:
             repeat = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
-        )
+        if attention_mask is None and (softcap is not None or window is not None):
+            # Outside packed rows (no mask): causal, and windowed on a sliding-window layer.
+            positions = torch.arange(query.shape[2], device=query.device)
+            attention_mask = dense_tree_mask(positions, torch.full_like(positions, query.shape[2]))
+            if window is not None:
+                attention_mask = attention_mask & dense_window_mask(positions, window)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
+            )
+        else:  # SDPA has no soft-capping: the scores are formed explicitly (CPU rows are small)
+            assert attention_mask is not None  # built above
+            out = _softcapped_attention(query, key, value, attention_mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
+    """FlexAttention ``score_mod`` of attention logit soft-capping: ``softcap * tanh(score / softcap)``."""
+
+    def score_mod(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def _softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Dense attention with soft-capped logits: (B, H, N, d) inputs (heads already repeated), boolean mask."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query @ key.transpose(-1, -2)) * scale  # (B, H, N, N)
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+
+
+def check_softcap_device(device: torch.device) -> None:
+    """Raise :class:`UnsupportedModelError` for attention logit soft-capping on an AMD or NVIDIA Blackwell GPU.
+
+    The reference trainer refuses soft-capped models (Gemma 2) exactly there, where it loads
+    flash-attention kernels that cannot soft-cap; this trainer keeps the same support matrix.
+    """
+    if device.type != "cuda":
+        return
+    if torch.version.hip:
+        raise UnsupportedModelError(
+            "models that soft-cap attention logits (attn_logit_softcapping, e.g. Gemma 2) are not supported on "
+            "AMD (ROCm) GPUs: train them on a pre-Blackwell NVIDIA GPU or on CPU"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 10:
+        raise UnsupportedModelError(
+            "models that soft-cap attention logits (attn_logit_softcapping, e.g. Gemma 2) are not supported on "
+            f"NVIDIA Blackwell GPUs (compute capability {major}.{minor}): train them on an earlier NVIDIA GPU"
+        )
 
 
 def check_tree_attention_support(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError` when ``model`` has layers tree packing would run wrongly.
 
     Supported: full-attention layers (tree attention) and Gated DeltaNet layers (Qwen3.5, Qwen3.6,
-    Qwen3-Next: :mod:`trainer.training.gated_deltanet`). Refused: other recurrent or linear-attention
-    layers (Mamba2, short convolutions), sliding-window layers, attention sinks, attention logit
-    soft-capping and attention dropout.
+    Qwen3-Next: :mod:`trainer.training.gated_deltanet`) and sliding-window layers named in
+    ``layer_types`` (Gemma 2: the window runs along each token's path in the trie). Attention logit
+    soft-capping works except on AMD and NVIDIA Blackwell GPUs (:func:`check_softcap_device`).
+    Refused: other recurrent or linear-attention layers (Mamba2, short convolutions), a sliding
+    window without ``layer_types``, attention sinks, final-logit soft-capping (the chunked LM head
+    of :mod:`trainer.training.logprobs` does not apply it) and attention dropout.
     """
     config = cast(PreTrainedModel, model).config.get_text_config()
     name = type(model).__name__
     layer_types = list(getattr(config, "layer_types", None) or [])
-    other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    other = sorted(set(layer_types) - {"full_attention", "linear_attention", "sliding_attention"})
     num_linear = layer_types.count("linear_attention")
     if num_linear and len(gated_deltanet_modules(model)) != num_linear:
         other.append("linear_attention (not a Gated DeltaNet module)")
     if other:
         raise UnsupportedModelError(
             f"{name} has layers of type {other}; tree packing runs full-attention and Gated DeltaNet layers "
-            "(Qwen3, Qwen3.5/3.6, Qwen3-Next, Llama-style models) but not these, so this trainer cannot train "
+            "(Qwen3, Qwen3.5/3.6, Qwen3-Next, Gemma 2, Llama-style models) and sliding-window layers but not "
+            "these, so this trainer cannot train "
             "this model family yet: pick a model of a supported family"
         )
     if not layer_types and getattr(config, "sliding_window", None):
         raise UnsupportedModelError(f"{name} uses sliding-window attention, which tree attention does not implement")
     if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError(f"{name} soft-caps attention logits, which tree attention does not implement")
+        for param in model.parameters():
+            check_softcap_device(param.device)
+            break
+    if getattr(config, "final_logit_softcapping", None):
+        raise UnsupportedModelError(
+            f"{name} soft-caps its final logits (final_logit_softcapping), which the trainer's chunked LM head "
+            "does not apply: set config.final_logit_softcapping = None only if the sampler does the same"
+        )
     if getattr(config, "attention_dropout", 0.0):
         raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement")
     for module_name, module in model.named_modules():
@@ -247,10 +365,17 @@ def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
     captured: list[torch.Tensor] = []
     hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
     mask: object = tree_mask(row)
-    window = getattr(core.config.get_text_config(), "linear_conv_kernel_dim", None)
-    if window and "linear_attention" in (getattr(core.config.get_text_config(), "layer_types", None) or []):
-        # Hybrids take one mask per layer type: the Gated DeltaNet layers read the row's trie layout.
-        mask = {"full_attention": mask, "linear_attention": TreeLayout.from_row(row, window)}
+    config = core.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    # Models with several layer types take one mask per type (transformers reads a dict mask so).
+    masks: dict[str, object] = {"full_attention": mask}
+    window = getattr(config, "linear_conv_kernel_dim", None)
+    if window and "linear_attention" in layer_types:  # the Gated DeltaNet layers read the row's trie layout
+        masks["linear_attention"] = TreeLayout.from_row(row, window)
+    if "sliding_attention" in layer_types:
+        masks["sliding_attention"] = tree_mask(row, config.sliding_window)
+    if len(masks) > 1:
+        mask = masks
     try:
         model(
             input_ids=row.input_ids[None],
