@@ -30,14 +30,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.exceptions import ConfigError, VLLMServerError, WeightSyncError
 from trainer.records import adapter_name
 from trainer.sync.weight_sync import SyncTimings, VLLMAdminClient
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
 LORA_CACHE_DIR = ".vllm_lora"
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def adapter_rank(model: PeftModel) -> int:
     """The largest LoRA rank of the PEFT model's active adapters (``r`` and any ``rank_pattern``)."""
     ranks = [1]
     for name in _active_adapters(model):
-        config = model.peft_config[name]
+        config = cast("LoraConfig", model.peft_config[name])  # a LoRA adapter (see adapter_sync_obstacle)
         ranks.append(int(config.r))
         ranks += [int(r) for r in (getattr(config, "rank_pattern", None) or {}).values()]
     return max(ranks)
@@ -101,8 +101,8 @@ def adapter_sync_obstacle(model: PeftModel) -> str | None:
         return f"a {config.peft_type} adapter (vLLM serves LoRA only)"
     if getattr(config, "use_dora", False):
         return "a DoRA adapter"
-    if getattr(config, "modules_to_save", None):
-        return f"modules_to_save={config.modules_to_save} (fully trained modules are not part of an adapter)"
+    if modules := getattr(config, "modules_to_save", None):
+        return f"modules_to_save={modules} (fully trained modules are not part of an adapter)"
     return None
 
 

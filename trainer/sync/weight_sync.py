@@ -69,7 +69,9 @@ class VLLMAdminClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def request(self, method: str, path: str, body: Any = None, *, error: type[VLLMServerError] = VLLMServerError) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, *, error: type[VLLMServerError] = VLLMServerError
+    ) -> Any:
         """Call ``path``; returns the decoded JSON (or text) body, raises ``error`` on failure."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
@@ -284,7 +286,9 @@ class NCCLSender:
             master_address=self.master_address, master_port=self.master_port,
             world_size=self.server_world_size + 1, rank=0,
         )
-        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.client, source=self._source)
+        # _StaticSource quacks like vllm's WeightSource; subclassing it would import vllm with this module.
+        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=self._source)  # type: ignore[arg-type]
 
     def transfer(self, weights: TensorSource, version: int) -> None:
         """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -161,7 +161,7 @@ class StepFeed:
         dist.broadcast(size, src=0, group=self._group)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self._group)
-        return pickle.loads(data.numpy().tobytes())
+        return cast(StepPayload, pickle.loads(data.numpy().tobytes()))
 
     def _wait_for(self, key: str, value: int) -> None:
         """Poll until the store's ``key`` reaches ``value``, re-raising rank 0's error, and raising
@@ -213,5 +213,5 @@ def all_reduce_loss_stats(stats: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             continue
         packed = torch.stack([stats[k].detach().float() for k in keys])
         dist.all_reduce(packed, op=op)
-        out.update(zip(keys, packed.unbind()))
+        out.update(zip(keys, packed.unbind(), strict=True))
     return out
