@@ -15,7 +15,6 @@ Data flow: dataset -> rollout worker -> vLLM / env server -> queue -> packer -> 
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import logging
 import os
@@ -24,12 +23,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import (
     AutoTokenizer,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     Trainer,
     TrainerCallback,
 )
@@ -42,14 +42,15 @@ from trainer.exceptions import ConfigError
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
-from trainer.rollout.concurrency import StalenessAllowance
+from trainer.rollout.chat_template import refuse_image_parts
+from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.prompt_order import first_row_columns, is_stream
 from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_server_info
-from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.sync.gather import PolicyWeights, adapter_state_dict
 from trainer.sync.lora_sync import (
     LORA_CACHE_DIR,
     LoRAAdapterSync,
@@ -58,7 +59,6 @@ from trainer.sync.lora_sync import (
     check_lora_limits,
     server_lora_config,
 )
-from trainer.sync.gather import PolicyWeights, adapter_state_dict
 from trainer.sync.weight_sync import (
     SharedMemorySender,
     SyncTimings,
@@ -78,8 +78,8 @@ from trainer.training.loss import (
     packed_grpo_loss,
     reduce_loss_stats,
 )
-from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.model_loading import freeze_outside_language_model, load_model
+from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.tree_attention import enable_tree_attention
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
@@ -178,6 +178,10 @@ class AsyncGRPOTrainer(Trainer):
             name -> callable routed by the dataset's ``environment`` column.
     """
 
+    # Narrower than the base Trainer's declarations: this trainer always has all three.
+    args: AsyncGRPOConfig
+    model: torch.nn.Module
+    processing_class: PreTrainedTokenizerBase
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
     _checkpoints: StagedCheckpoints | None = None  # made at the first save
     prompt_column_required: bool = True  # without an environment, the dataset must have a "prompt" column
@@ -208,7 +212,8 @@ class AsyncGRPOTrainer(Trainer):
         _validate_dataset(train_dataset, environment_factory is not None or not self.prompt_column_required)
         check_construction(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, peft_config=peft_config,
                            environment_factory=environment_factory)
-        init_kwargs = dict(args.model_init_kwargs or {})
+        # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
+        init_kwargs = dict(cast("dict[str, Any] | None", args.model_init_kwargs) or {})
         if isinstance(model, str):
             init_kwargs.setdefault("dtype", getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
             model = load_model(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
@@ -220,13 +225,14 @@ class AsyncGRPOTrainer(Trainer):
             processing_class.pad_token = processing_class.eos_token
         # Checked at start: a template that is not prefix-preserving is replaced, for the rollouts, by a
         # shipped training template when it is of a known family, else a warning says turns will fork.
+        template_kwargs = dict(cast("dict[str, Any] | None", args.chat_template_kwargs) or {})
         self.rollout_chat_template = rollout_chat_template(
             processing_class, [t.schema for t in tools_from_functions(tools)] or None,
-            **dict(args.chat_template_kwargs or {})) if tools or environment_factory else None
+            **template_kwargs) if tools or environment_factory else None
         if peft_config is not None:
             from peft import get_peft_model
 
-            model = get_peft_model(model, peft_config)
+            model = cast(PreTrainedModel, get_peft_model(model, peft_config))  # forwards the model's attributes
         check_output_head(model)
         self._aux_coef = resolve_aux_loss_coef(model, args.router_aux_loss_coef)
         self._router = RouterLogits(model) if self._aux_coef > 0 else None
@@ -278,13 +284,15 @@ class AsyncGRPOTrainer(Trainer):
             self.is_fsdp_enabled = True
 
     # ------------------------------------------------------------------------------ lifecycle
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+    def train(  # type: ignore[override]  # trial, ignore_keys_for_eval: passed on through **kwargs
+        self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
+    ) -> Any:
         """Train until the epochs are done (or ``max_steps``); always stops the rollout worker."""
         _check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
                          environment_factory=self.environment_factory, loop_cls=self.loop_cls,
                          **self.rollout_loop_kwargs())
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = cast("str | None", get_last_checkpoint(self.args.output_dir))
             if resume_from_checkpoint is None:
                 raise ConfigError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
         if resume_from_checkpoint:
@@ -364,7 +372,8 @@ class AsyncGRPOTrainer(Trainer):
         if mismatch:
             logger.warning(mismatch)
         ctx = spawn_context()
-        self._allowance = StalenessAllowance(args.staleness_allowance, args.max_staleness,
+        rule = cast(AllowanceRule, args.staleness_allowance)  # one of them: AsyncGRPOConfig checks it
+        self._allowance = StalenessAllowance(rule, args.max_staleness,
                                              token_budget * world * args.gradient_accumulation_steps)
         channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
                                          epoch_size=0 if self.rollout_dataset is None or streaming
@@ -445,7 +454,7 @@ class AsyncGRPOTrainer(Trainer):
                            obstacle)
             return None
         check_lora_limits(server, self.args.max_staleness, adapter_rank(model))
-        cache = Path(self.args.output_dir) / LORA_CACHE_DIR
+        cache = Path(cast(str, self.args.output_dir)) / LORA_CACHE_DIR  # set by TrainingArguments.__post_init__
         logger.info("LoRA: adapter-only sync (versions under %s, %d kept registered)",
                     cache, self.args.max_staleness + 1)
         return LoRAAdapterSync(admin, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self.args.max_staleness + 1)
@@ -460,6 +469,7 @@ class AsyncGRPOTrainer(Trainer):
         (and sent to the other ranks), received from rank 0 elsewhere."""
         batches = [next(epoch_iterator) for _ in range(num_batches)]
         if self.stream is None:  # a rank other than 0: epoch_iterator is the StepFeed
+            assert self.feed is not None and self.feed.last is not None  # next() above received a payload
             self._step_feed_state = self.feed.last
             self._policy_version = self.feed.last.policy_version
             return batches, None
@@ -470,7 +480,9 @@ class AsyncGRPOTrainer(Trainer):
             self.feed.send(self._step_feed_state)
         return batches, None
 
-    def training_step(self, model: torch.nn.Module, inputs: MicroBatch, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(  # type: ignore[override]  # inputs: the MicroBatch of get_batch_samples, not a dict
+        self, model: torch.nn.Module, inputs: MicroBatch, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         """Forward this process's packed row, compute the loss, backward; returns the detached loss."""
         model.train()
         t0 = self._synced_clock()
@@ -498,7 +510,7 @@ class AsyncGRPOTrainer(Trainer):
         if self._flop_model is not None:  # every row of the micro-batch: MFU is over all training devices
             self._step_flops += sum(row_flops(self._flop_model, r) for r in inputs.rows)
         self._step_groups.update(g for r in inputs.rows for g in r.sample_group_ids)
-        return loss.detach()
+        return cast(torch.Tensor, loss.detach())  # the accelerator's num_processes made it Any
 
     def _synced_clock(self) -> float:
         """``perf_counter`` after the device's queued work (CUDA runs asynchronously; timing needs it)."""
@@ -614,13 +626,15 @@ class AsyncGRPOTrainer(Trainer):
         logs.update(self.metrics.flush())
         logs["num_tokens"] = float(self._num_tokens)
         if self.stream is not None and self.args.log_completions:
-            self._report_completions()
+            self._report_completions(self.stream)
         super().log(logs, start_time)
 
-    def _report_completions(self) -> None:
+    def _report_completions(self, stream: MicroBatchStream) -> None:
         """``log_completions`` (rank 0): show the completions trained since the last log."""
-        samples = self.stream.take_trained_samples()[:self.args.num_completions_to_print]
-        decode = functools.partial(self.processing_class.decode, skip_special_tokens=True)
+        samples = stream.take_trained_samples()[:self.args.num_completions_to_print]
+
+        def decode(ids: list[int]) -> str:
+            return cast(str, self.processing_class.decode(ids, skip_special_tokens=True))  # one sequence: a str
         records = []
         for sample in samples:
             ids, mask = sample.sequence.input_ids, sample.sequence.loss_mask
