@@ -104,7 +104,7 @@ class AsyncGRPOConfig(TrainingArguments):
         gradient_checkpointing: bool = field(
             default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
         )
-    bf16: bool | None = field(
+    bf16: bool | None = field(  # type: ignore[assignment]  # widens the base's bool: None is decided below
         default=None,
         metadata={"help": "bfloat16 mixed precision. None: True unless fp16 is set (and the device has bf16)."},
     )
@@ -114,7 +114,8 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "Scheduler; constant because steps per epoch are unknown in advance (forks)."},
     )
     ignore_data_skip: bool = field(
-        default=True, metadata={"help": "Must stay True: resume fast-forwards the rollout worker instead of replaying data."}
+        default=True,
+        metadata={"help": "Must stay True: resume fast-forwards the rollout worker instead of replaying data."},
     )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Must stay False: every dataset column reaches the reward functions."}
@@ -266,7 +267,7 @@ class AsyncGRPOConfig(TrainingArguments):
         if isinstance(self.model_init_kwargs, str):
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         _refuse_unsupported_parallelism(self)  # DeepSpeed, cp/sp/tp, FSDP1: before the base class acts on them
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]  # unannotated in transformers
         self._validate()
 
     def _validate(self) -> None:
