@@ -30,7 +30,8 @@ from trainer.training.packing import PackedRow
 from trainer.training.tree_attention import packed_hidden_states, unwrap_model
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "forward_packed", "head_loss_from_hidden", "logprobs_from_hidden",
+    "DEFAULT_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "final_logit_softcap", "forward_packed", "head_loss_from_hidden",
+    "logprobs_from_hidden",
 ]
 
 DEFAULT_CHUNK_SIZE = 512
@@ -48,6 +49,16 @@ class RowLogProbs:
     logp: torch.Tensor  # (T,)
     topk_logp: torch.Tensor  # (T, K)
     entropy: torch.Tensor  # (T,)
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The model's final-logit soft-cap (``final_logit_softcapping``, Gemma 2), or ``None``.
+
+    The chunked head computes the logits itself, bypassing the model's own head code, so it applies
+    the cap (``cap * tanh(logits / cap)``, before the temperature) as the model and the sampler do.
+    """
+    cap = getattr(unwrap_model(model).config.get_text_config(), "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def _excluded(logits: torch.Tensor, candidate_ids: torch.Tensor, candidate_valid: torch.Tensor) -> torch.Tensor:
@@ -70,9 +81,13 @@ def _chunk_logprobs(
     candidate_ids: torch.Tensor | None,
     candidate_valid: torch.Tensor | None,
     temperature: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """log p(target) (C,), log p(top-k) (C, K) and entropy (C,) of one chunk of C trained tokens."""
-    logits = F.linear(hidden, weight, bias).float().div_(temperature)  # (C, V)
+    logits = F.linear(hidden, weight, bias).float()  # (C, V)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.div_(temperature)
     if candidate_ids is not None and candidate_valid is not None:
         logits = logits.masked_fill_(_excluded(logits, candidate_ids, candidate_valid), float("-inf"))
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # (C, 1)
@@ -98,6 +113,7 @@ def logprobs_from_hidden(
     row: PackedRow,
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    softcap: float | None = None,
 ) -> RowLogProbs:
     """Log-probs of ``row``'s trained tokens from the decoder's final hidden states.
 
@@ -107,6 +123,7 @@ def logprobs_from_hidden(
         row: The packed row (same device as ``hidden``).
         temperature: Sampling temperature (logits are divided by it).
         chunk_size: Trained tokens per LM-head chunk.
+        softcap: Final-logit soft-cap (:func:`final_logit_softcap`), or ``None``.
 
     Returns:
         The row's :class:`RowLogProbs`. With no trained token the tensors are empty but still
@@ -130,6 +147,7 @@ def logprobs_from_hidden(
                 cand_ids[sl] if cand_ids is not None else None,
                 cand_valid[sl] if cand_valid is not None else None,
                 temperature,
+                softcap,
                 use_reentrant=False,
             )
         )
@@ -150,7 +168,8 @@ def forward_packed(
         chunk_size: Trained tokens per LM-head chunk.
     """
     hidden = packed_hidden_states(model, row)  # (N, D)
-    return logprobs_from_hidden(hidden, unwrap_model(model).get_output_embeddings(), row, temperature, chunk_size)
+    head = unwrap_model(model).get_output_embeddings()
+    return logprobs_from_hidden(hidden, head, row, temperature, chunk_size, final_logit_softcap(model))
 
 
 TokenLoss = Callable[[RowLogProbs, PackedRow], torch.Tensor]
@@ -212,10 +231,13 @@ def _fused_chunk(
     temperature: float,
     token_loss: TokenLoss,
     divisor: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, RowLogProbs, torch.Tensor]:
     """One chunk of C trained tokens: its summed loss / divisor, its detached log-probs and entropy,
-    and the gradient of that loss w.r.t. the chunk's logits (C, V), in the logits' dtype."""
+    and the gradient of that loss w.r.t. the chunk's raw logits (C, V), in the logits' dtype."""
     logits = F.linear(h, weight, bias)  # (C, V), the model's dtype
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     excluded = None
     if row.candidate_ids is not None and row.candidate_valid is not None:
         excluded = _excluded(logits, row.candidate_ids, row.candidate_valid)  # (C, V)
@@ -242,6 +264,8 @@ def _fused_chunk(
     if excluded is not None:
         at = at.masked_fill(excluded.gather(1, ids), 0.0)
     grad.scatter_(1, ids, at.to(grad.dtype))
+    if softcap is not None:  # through the cap: d(c tanh(x / c))/dx = 1 - tanh(x / c)^2
+        grad.mul_(1 - (logits / softcap).square())
     loss = losses.detach().sum() / divisor
     return loss, RowLogProbs(logp, topk_logp, entropy), grad
 
@@ -260,6 +284,7 @@ class _HeadLoss(torch.autograd.Function):
         token_loss: TokenLoss,
         divisor: float,
         chunk_size: int,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(h) if need_h else None  # (T, D)
@@ -270,7 +295,7 @@ class _HeadLoss(torch.autograd.Function):
         for start in range(0, row.num_trained, chunk_size):
             sl = slice(start, start + chunk_size)
             loss_c, logps_c, g = _fused_chunk(
-                h[sl], weight, bias, row.select_trained(sl), temperature, token_loss, divisor
+                h[sl], weight, bias, row.select_trained(sl), temperature, token_loss, divisor, softcap
             )
             loss += loss_c
             pieces.append((logps_c.logp, logps_c.topk_logp, logps_c.entropy))
@@ -296,7 +321,7 @@ class _HeadLoss(torch.autograd.Function):
         if ctx.grads is None:
             raise RuntimeError("the fused head loss stores its gradients once: it cannot be backpropagated twice")
         grads, ctx.grads = ctx.grads, None  # scaled in place and handed over: no second (V, D) buffer
-        return (*(g.mul_(grad_loss) if g is not None else None for g in grads), None, None, None, None, None)
+        return (*(g.mul_(grad_loss) if g is not None else None for g in grads), None, None, None, None, None, None)
 
 
 def head_loss_from_hidden(
@@ -307,6 +332,7 @@ def head_loss_from_hidden(
     token_loss: TokenLoss,
     divisor: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, RowLogProbs]:
     """``sum_t token_loss_t / divisor`` over ``row``'s trained tokens, its gradient formed in the forward.
 
@@ -326,6 +352,8 @@ def head_loss_from_hidden(
         token_loss: The per-token loss (see :data:`TokenLoss`).
         divisor: The loss's normaliser, known before the forward (trained tokens of the micro-batch).
         chunk_size: Trained tokens per LM-head chunk.
+        softcap: Final-logit soft-cap (:func:`final_logit_softcap`), or ``None``; the logits'
+            gradient then goes through it.
 
     Returns:
         ``(loss, logps)``: the differentiable scalar loss (backward it once) and the detached
@@ -335,6 +363,6 @@ def head_loss_from_hidden(
     _check_head(lm_head, temperature)
     h = hidden[row.pred_index]  # (T, D): the positions that predict trained tokens
     loss, logp, topk_logp, entropy = _HeadLoss.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
-        h, lm_head.weight, lm_head.bias, row, temperature, token_loss, divisor, chunk_size
+        h, lm_head.weight, lm_head.bias, row, temperature, token_loss, divisor, chunk_size, softcap
     )
     return loss, RowLogProbs(logp=logp, topk_logp=topk_logp, entropy=entropy)

@@ -22,6 +22,7 @@ from torch import nn
 from trainer.training.logprobs import (
     DEFAULT_CHUNK_SIZE,
     RowLogProbs,
+    final_logit_softcap,
     head_loss_from_hidden,
 )
 from trainer.training.packing import PackedRow
@@ -148,7 +149,8 @@ def packed_grpo_loss(
     hidden = packed_hidden_states(model, row)  # (N, D)
     head = unwrap_model(model).get_output_embeddings()
     loss, logps = head_loss_from_hidden(
-        hidden, head, row, temperature, partial(_token_losses, cfg=cfg), max(num_trained_global, 1), chunk_size
+        hidden, head, row, temperature, partial(_token_losses, cfg=cfg), max(num_trained_global, 1), chunk_size,
+        final_logit_softcap(model),
     )
     return loss, _stats(logps, row, cfg)
 

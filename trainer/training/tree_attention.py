@@ -286,8 +286,8 @@ def check_tree_attention_support(model: nn.Module) -> None:
     ``layer_types`` (Gemma 2: the window runs along each token's path in the trie). Attention logit
     soft-capping works except on AMD and NVIDIA Blackwell GPUs (:func:`check_softcap_device`).
     Refused: other recurrent or linear-attention layers (Mamba2, short convolutions), a sliding
-    window without ``layer_types``, attention sinks, final-logit soft-capping (the chunked LM head
-    of :mod:`trainer.training.logprobs` does not apply it) and attention dropout.
+    window without ``layer_types``, attention sinks and attention dropout. (Final-logit soft-capping
+    is applied by the chunked LM head, :func:`trainer.training.logprobs.final_logit_softcap`.)
     """
     config = cast(PreTrainedModel, model).config.get_text_config()
     name = type(model).__name__
@@ -309,11 +309,6 @@ def check_tree_attention_support(model: nn.Module) -> None:
         for param in model.parameters():
             check_softcap_device(param.device)
             break
-    if getattr(config, "final_logit_softcapping", None):
-        raise UnsupportedModelError(
-            f"{name} soft-caps its final logits (final_logit_softcapping), which the trainer's chunked LM head "
-            "does not apply: set config.final_logit_softcapping = None only if the sampler does the same"
-        )
     if getattr(config, "attention_dropout", 0.0):
         raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement")
     for module_name, module in model.named_modules():

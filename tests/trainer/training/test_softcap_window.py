@@ -1,17 +1,22 @@
-"""Tree attention with attention logit soft-capping and sliding-window layers (Gemma 2)."""
+"""Gemma 2 on packed rows: attention logit soft-capping, sliding-window layers, final-logit soft-capping."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import warnings
+from functools import partial
 
 import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
+from tests.trainer.training.test_loss_fused import CONFIGS, Toy, assert_same, grads, random_row
 from tests.trainer.training.test_tree_attention import SMALL, VOCAB, assert_packed_matches_alone, random_sample
 from trainer.records import TrainingSample
 from trainer.training import tree_attention
+from trainer.training.logprobs import final_logit_softcap, head_loss_from_hidden, logprobs_from_hidden
+from trainer.training.loss import _token_losses, grpo_loss
 from trainer.training.packing import build_row
 from trainer.training.tree_attention import (
     UnsupportedModelError,
@@ -27,11 +32,11 @@ WINDOW = 4
 
 
 def tiny_gemma2(**overrides: object) -> Gemma2ForCausalLM:
-    """Four layers, alternating sliding (window 4) and full attention; a small cap so soft-capping bites."""
+    """Four layers, alternating sliding (window 4) and full attention; small caps so soft-capping bites."""
     torch.manual_seed(0)
     settings = {
         "num_hidden_layers": 4, "sliding_window": WINDOW, "attn_logit_softcapping": 0.5,
-        "final_logit_softcapping": None, "query_pre_attn_scalar": 32,
+        "final_logit_softcapping": 1.5, "query_pre_attn_scalar": 32,
     }
     config = Gemma2Config(**SMALL, **{**settings, **overrides})
     config._attn_implementation = "eager"
@@ -52,11 +57,13 @@ def test_gemma2_config_is_what_the_test_means() -> None:
     config = tiny_gemma2().config
     assert config.layer_types == ["sliding_attention", "full_attention"] * 2
     assert config.attn_logit_softcapping == 0.5
+    assert final_logit_softcap(tiny_gemma2()) == 1.5
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_packed_gemma2_matches_each_sample_alone(seed: int) -> None:
-    """Soft-capped, windowed, packed log-probs and gradients equal the stock eager model on each sample."""
+    """Soft-capped, windowed, packed log-probs (chunked head, final cap) and gradients equal the stock
+    eager model on each sample."""
     assert_packed_matches_alone(tiny_gemma2(), long_branches(seed), seed)
 
 
@@ -123,7 +130,27 @@ def test_softcap_refused_only_on_amd_and_blackwell(
     check_softcap_device(torch.device("cpu"))  # CPU is never refused
 
 
-def test_final_logit_softcapping_is_refused() -> None:
-    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
-        check_tree_attention_support(tiny_gemma2(final_logit_softcapping=30.0))
-    check_tree_attention_support(tiny_gemma2())  # soft-capped attention and sliding layers pass on CPU
+def test_supported_on_cpu() -> None:
+    check_tree_attention_support(tiny_gemma2())  # soft-capped attention, sliding layers, capped final logits
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_fused_head_loss_goes_through_the_final_cap(mode: str) -> None:
+    """The fused head loss with a final-logit cap equals capped log-probs + ``grpo_loss`` (loss, stats, gradients)."""
+    cfg, toy, cap, temperature = CONFIGS[mode], Toy(bias=True), 2.0, 0.8
+    row = random_row(3)
+    with torch.no_grad():
+        truth = logprobs_from_hidden(toy.hidden(), toy.head, row, temperature, softcap=cap)
+        uncapped = logprobs_from_hidden(toy.hidden(), toy.head, row, temperature)
+    assert (truth.logp - uncapped.logp).abs().max() > 0.1  # the cap bites
+    noise = torch.randn(row.num_trained, generator=torch.Generator().manual_seed(1)) * 0.4
+    row = dataclasses.replace(row, sampler_logprobs=truth.logp + noise)
+    capped = logprobs_from_hidden(toy.hidden(), toy.head, row, temperature, 4, cap)
+    ref_loss, ref_stats = grpo_loss(capped, row, cfg, 30)
+    ref_loss.backward()
+    reference = (ref_loss.detach(), ref_stats, grads(toy))
+    loss, logps = head_loss_from_hidden(
+        toy.hidden(), toy.head, row, temperature, partial(_token_losses, cfg=cfg), 30, 4, softcap=cap
+    )
+    loss.backward()
+    assert_same((loss.detach(), grpo_loss(logps, row, cfg, 30)[1], grads(toy)), reference)
