@@ -200,8 +200,6 @@ def tree_attention_forward(
     """
     softcap = cast(float | None, kwargs.get("softcap"))
     window = cast(int | None, kwargs.get("sliding_window"))
-    if softcap is not None:
-        check_softcap_device(query.device)
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
         flex: Callable[..., torch.Tensor] = flex_attention
@@ -305,10 +303,8 @@ def check_tree_attention_support(model: nn.Module) -> None:
         )
     if not layer_types and getattr(config, "sliding_window", None):
         raise UnsupportedModelError(f"{name} uses sliding-window attention, which tree attention does not implement")
-    if getattr(config, "attn_logit_softcapping", None):
-        for param in model.parameters():
-            check_softcap_device(param.device)
-            break
+    if getattr(config, "attn_logit_softcapping", None) and (param := next(model.parameters(), None)) is not None:
+        check_softcap_device(param.device)  # again on each row's device, in packed_hidden_states
     if getattr(config, "attention_dropout", 0.0):
         raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement")
     for module_name, module in model.named_modules():
@@ -361,6 +357,8 @@ def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
     hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
     mask: object = tree_mask(row)
     config = core.config.get_text_config()
+    if getattr(config, "attn_logit_softcapping", None):  # here, not per layer: no device query in a compiled graph
+        check_softcap_device(row.input_ids.device)
     layer_types = getattr(config, "layer_types", None) or []
     # Models with several layer types take one mask per type (transformers reads a dict mask so).
     masks: dict[str, object] = {"full_attention": mask}
