@@ -217,7 +217,8 @@ async def _show_turn(base_url: str, tokenizer: Any) -> None:
     print(f"\nprompt ends with: ...{tokenizer.decode(prompt[-12:])!r}")
     print(f"sampled turn:      {tokenizer.decode(turn.output_ids)!r}")
     print("first tokens with their log-probs and the sampler's top-3:")
-    for token, lp, top in list(zip(turn.output_ids, turn.output_log_probs, turn.output_sampler_logprobs or []))[:8]:
+    tops = turn.output_sampler_logprobs or []  # none: nothing to show
+    for token, lp, top in list(zip(turn.output_ids, turn.output_log_probs, tops, strict=False))[:8]:
         cands = "  ".join(f"{tokenizer.decode([t])!r} {v:.2f}" for t, v in top.items())
         print(f"  {tokenizer.decode([token])!r:>14} {lp:7.3f}   {cands}")
 
@@ -228,7 +229,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cache", default=".cache", help="where the warm-started model is built and reused")
     parser.add_argument("--steps", type=int, default=15, help="optimizer steps of the training run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", "--output-dir", default="outputs/demo", help="checkpoint-free run folder (plots, logs)")
+    parser.add_argument("--output_dir", "--output-dir", default="outputs/demo",
+                        help="checkpoint-free run folder (plots, logs)")
     args = parser.parse_args(argv)
 
     import torch

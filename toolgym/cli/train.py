@@ -72,7 +72,9 @@ def build_parser() -> HfArgumentParser:
     flag alone means true (``--use_cpu``), or takes ``true``/``false``.
     """
     return HfArgumentParser(
-        (RunArguments, AsyncGRPOConfig), prog="toolgym train", allow_abbrev=False, exit_on_error=False,
+        # DataClassType is NewType("DataClassType", Any) in transformers: no class passes as one without a cast.
+        (RunArguments, AsyncGRPOConfig),  # type: ignore[arg-type]
+        prog="toolgym train", allow_abbrev=False, exit_on_error=False,
         usage="toolgym train [CONFIG.yaml] [--field value ...]",
         description="Asynchronous GRPO training from a YAML file and/or flags (flags override the file).",
     )

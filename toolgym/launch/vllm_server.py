@@ -302,8 +302,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv_cache_gib", "--kv-cache-gib", type=int, default=1)
     parser.add_argument("--enable_lora", "--enable-lora", action="store_true",
                         help="serve LoRA adapters loaded at run time (adapter-only sync of a LoRA model)")
-    parser.add_argument("--max_loras", "--max-loras", type=int, default=None, help="with --enable-lora: at least max_staleness + 2")
-    parser.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=None, help="with --enable-lora: at least the LoRA rank")
+    parser.add_argument("--max_loras", "--max-loras", type=int, default=None,
+                        help="with --enable-lora: at least max_staleness + 2")
+    parser.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=None,
+                        help="with --enable-lora: at least the LoRA rank")
     args = parser.parse_args(argv)
     config = VLLMServerConfig(
         model=args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
