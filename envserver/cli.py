@@ -37,19 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help=f"TCP port, 0 for any free one (default {d.port})")
     p.add_argument("--token", default=None, help="bearer token required on every route (default: $TOOLGYM_TOKEN)")
     p.add_argument("--max_sessions", "--max-sessions", type=int, default=d.max_sessions, help="sessions alive at once")
-    p.add_argument("--max_waiting", "--max-waiting", type=int, default=d.max_waiting, help="bound of the new-session wait queue")
-    p.add_argument("--queue_timeout", "--queue-timeout", type=float, default=d.queue_timeout, help="seconds a new session may wait")
-    p.add_argument("--idle_timeout", "--idle-timeout", type=float, default=d.idle_timeout, help="seconds before an idle session is reaped")
-    p.add_argument("--resume_grace", "--resume-grace", type=float, default=d.resume_grace, help="seconds a dropped session stays resumable")
-    p.add_argument("--call_timeout", "--call-timeout", type=float, default=d.call_timeout, help="per-request deadline in seconds")
-    p.add_argument("--max_frame_bytes", "--max-frame-bytes", type=int, default=d.max_frame_bytes, help="largest frame accepted")
+    p.add_argument("--max_waiting", "--max-waiting", type=int, default=d.max_waiting,
+                   help="bound of the new-session wait queue")
+    p.add_argument("--queue_timeout", "--queue-timeout", type=float, default=d.queue_timeout,
+                   help="seconds a new session may wait")
+    p.add_argument("--idle_timeout", "--idle-timeout", type=float, default=d.idle_timeout,
+                   help="seconds before an idle session is reaped")
+    p.add_argument("--resume_grace", "--resume-grace", type=float, default=d.resume_grace,
+                   help="seconds a dropped session stays resumable")
+    p.add_argument("--call_timeout", "--call-timeout", type=float, default=d.call_timeout,
+                   help="per-request deadline in seconds")
+    p.add_argument("--max_frame_bytes", "--max-frame-bytes", type=int, default=d.max_frame_bytes,
+                   help="largest frame accepted")
     p.add_argument("--threads", type=int, default=d.threads, help="thread pool size for sync environment methods")
     p.add_argument("--inline_sync", "--inline-sync", action="store_true",
                    help="run sync methods on the event loop (only for environments whose methods are all cheap)")
     p.add_argument("--inline_threshold", "--inline-threshold", type=float, default=d.inline_threshold,
                    help="sync methods that always finish faster than this (seconds, e.g. 0.001) run on the "
                         "event loop; 0 (default) keeps them all in the thread pool")
-    p.add_argument("--drain_timeout", "--drain-timeout", type=float, default=d.drain_timeout, help="seconds to drain on SIGTERM")
+    p.add_argument("--drain_timeout", "--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds to drain on SIGTERM")
     p.add_argument("--max_head_bytes", "--max-head-bytes", type=int, default=d.max_head_bytes,
                    help="largest HTTP request head; larger ones get 431")
     p.add_argument("--head_timeout", "--head-timeout", type=float, default=d.head_timeout,

@@ -13,24 +13,30 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.sessions_open = Gauge("toolgym_sessions_open", "Sessions alive now (attached or resumable)", ["env"], registry=r)
+        self.sessions_open = Gauge(
+            "toolgym_sessions_open", "Sessions alive now (attached or resumable)", ["env"], registry=r
+        )
         self.sessions_waiting = Gauge("toolgym_sessions_waiting", "New sessions queued for a free slot", registry=r)
         self.sessions_total = Counter("toolgym_sessions", "Sessions opened", ["env"], registry=r)
         self.sessions_evicted = Counter(
-            "toolgym_sessions_evicted", "Sessions the server ended itself (idle, expired, drain)", ["env", "reason"], registry=r
+            "toolgym_sessions_evicted", "Sessions the server ended itself (idle, expired, drain)", ["env", "reason"],
+            registry=r,
         )
         self.sessions_resumed = Counter("toolgym_sessions_resumed", "Sessions resumed by id", ["env"], registry=r)
         self.sessions_rejected = Counter(
             "toolgym_sessions_rejected", "New sessions refused (server_full, server_draining)", ["reason"], registry=r
         )
         self.requests = Counter(
-            "toolgym_requests", "Requests by environment, op, tool and outcome", ["env", "op", "tool", "outcome"], registry=r
+            "toolgym_requests", "Requests by environment, op, tool and outcome", ["env", "op", "tool", "outcome"],
+            registry=r,
         )
         self.latency = Histogram(
             "toolgym_request_seconds", "Request latency by environment, op and tool", ["env", "op", "tool"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.frame_errors = Counter("toolgym_frame_errors", "Frames refused before dispatch, by code", ["code"], registry=r)
+        self.frame_errors = Counter(
+            "toolgym_frame_errors", "Frames refused before dispatch, by code", ["code"], registry=r
+        )
         self._children: dict[tuple[str, ...], tuple[Counter, Histogram]] = {}
         self._session_children: dict[str, tuple[Gauge, Counter]] = {}
 
