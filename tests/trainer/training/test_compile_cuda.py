@@ -73,20 +73,28 @@ def _step(model: torch.nn.Module, row: PackedRow) -> tuple[float, dict[str, torc
 
 
 def test_compiled_step_matches_eager() -> None:
+    # bf16 rounding differs between the fused (compiled) and unfused (eager) kernels, so both are
+    # measured against the same step in float32: the compiled step must be as close to it as eager is.
     eager = _model()
+    reference = copy.deepcopy(eager).float()
     compiled = copy.deepcopy(eager)
     assert compile_decoder_layers(compiled) == 4
     row = _row(0)
+    loss_r, grads_r = _step(reference, row)
     loss_e, grads_e = _step(eager, row)
     loss_c, grads_c = _step(compiled, row)
     assert loss_c == pytest.approx(loss_e, rel=2e-2, abs=1e-3)
     assert loss_e != 0.0
-    for name, g in grads_e.items():
-        err = float((grads_c[name] - g).norm() / g.norm().clamp_min(1e-12))
-        assert err < 3e-2, f"{name}: relative gradient error {err:.3g} (bf16)"
+    for name, g in grads_r.items():
+        scale = g.norm().clamp_min(1e-12)
+        err_eager = float((grads_e[name] - g).norm() / scale)
+        err_compiled = float((grads_c[name] - g).norm() / scale)
+        assert err_compiled <= 1.5 * err_eager + 1e-2, (
+            f"{name}: compiled is {err_compiled:.3g} from float32, eager {err_eager:.3g}")
 
 
 def test_thirty_row_lengths_compile_a_bounded_number_of_times() -> None:
+    torch._dynamo.reset()  # as in a fresh process: the other test's compilations must not be reused here
     model = _model()
     compile_decoder_layers(model)
     tracker = CompileTracker(announce=False)
