@@ -21,17 +21,14 @@ Printed per run and as medians per setting, from the trainer's logs, after the f
 ``perf/step_s`` (trainer idle), generated tokens/s, seconds per step, mean staleness, rollouts in
 flight, vLLM preemptions, and the machine's 1-minute load average at the run's end.
 
-Command (repository root, after ``make setup``; the server takes a vLLM slot)::
+Command (repository root, after ``make setup``)::
 
-    /work/tools/vllm-slot .venv/bin/python bench/pipeline/bench_short_rollouts.py [--steps 30] [--rounds 1] \\
+    .venv/bin/python bench/pipeline/bench_short_rollouts.py [--steps 30] [--rounds 1] \\
         [--settings source,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
 
 ``--token-budget 256`` makes a step take fewer samples than the server generates meanwhile (the
 regime where the queue fills to the allowance, as in issue 20); the figures measured with it are
 in ``docs/pipeline.md``.
-
-(``/work/tools/vllm-slot`` is this machine's wrapper for commands that start a vLLM server; elsewhere run
-the script directly.)
 """
 
 from __future__ import annotations

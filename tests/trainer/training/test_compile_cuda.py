@@ -1,13 +1,12 @@
 """The compiled training step (``trainer/training/compile.py``) on CUDA: same loss and gradients as
 eager, and a bounded number of compilations when the row length changes at every step.
 
-CUDA only (the step is compiled only there); CI has no GPU, so these run on the GPU machine. Its
-image lacks websockets and pydantic, which ``trainer.exceptions`` pulls in through the ``sdk``
-package, so the command puts a package holding only ``sdk/exceptions.py`` first on the path::
+CUDA only (the step is compiled only there); CI has no GPU, so these run on the GPU machine, whose
+image has torch and transformers but not the project's other dependencies (the training side needs
+none of them; ``tests/test_layers.py`` checks it)::
 
-    mkdir -p /tmp/shim/sdk && cp sdk/exceptions.py /tmp/shim/sdk/ && touch /tmp/shim/sdk/__init__.py
-    PYTHONPATH=/tmp/shim:. python3 -P -m pytest --noconftest -p no:cacheprovider -o addopts="" \
-        -o pythonpath="" tests/trainer/training/test_compile_cuda.py -q -s
+    PYTHONPATH=. python3 -m pytest --noconftest -p no:cacheprovider -o addopts="" \
+        tests/trainer/training/test_compile_cuda.py -q -s
 """
 
 from __future__ import annotations
