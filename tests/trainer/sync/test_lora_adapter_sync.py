@@ -134,7 +134,7 @@ def test_limits_too_small_are_refused_at_start(
     trainer = _trainer(tiny_model_dir, lora_server, tmp_path / "out", **overrides)
     with pytest.raises(ConfigError, match=message):
         trainer.train()
-    assert trainer.rollout.worker is None
+    assert trainer.worker is None
 
 
 def test_short_run_syncs_adapters(lora_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path) -> None:
