@@ -6,7 +6,8 @@ least a client can: a fixed handshake request, unfragmented text frames masked w
 key (legal, and it makes masking a no-op), no extensions. An earlier version used aiohttp's
 client, which spent about 0.4 ms of the client's single core per connection: with 1,024 sessions
 opening at once the client alone took 0.4 s, more than the open time being measured.
-Run by ``run.py`` in a subprocess; prints one JSON object::
+Run by ``run.py`` in a subprocess; prints one JSON object (the last line; a calls phase prints
+``measuring`` and ``stopped`` before it, when its measured window starts and ends)::
 
     python bench/envserver/load.py calls toolgym http://127.0.0.1:8765 1024 5
     python bench/envserver/load.py churn openenv http://127.0.0.1:8766 32 5
@@ -254,14 +255,17 @@ async def calls(proto: Any, sessions: int, duration: float) -> dict[str, Any]:
     await all_open.wait()
     await asyncio.sleep(min(1.0, duration / 5))  # warm-up
     measuring.set()
+    print("measuring", flush=True)  # run.py samples the server's CPU time at these two lines
     t0 = time.perf_counter()
     await asyncio.sleep(duration)
     stop.set()
     elapsed = time.perf_counter() - t0
+    measured = len(latencies)
+    print("stopped", flush=True)
     await asyncio.gather(*tasks)
     good = [o for o in opened if o == o]
-    return {"sessions": sessions, "calls_per_s": len(latencies) / elapsed, "p50_ms": _pct(latencies, 0.5) * 1e3,
-            "p99_ms": _pct(latencies, 0.99) * 1e3, "open_p50_s": statistics.median(good) if good else None,
+    return {"sessions": sessions, "calls": measured, "calls_per_s": measured / elapsed,
+            "p50_ms": _pct(latencies, 0.5) * 1e3, "p99_ms": _pct(latencies, 0.99) * 1e3, "open_p50_s": statistics.median(good) if good else None,
             "open_max_s": max(good) if good else None, "errors": errors}
 
 

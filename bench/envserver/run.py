@@ -12,7 +12,9 @@ only against 127.0.0.1. OpenEnv is installed on first use into its own venv unde
 calls/s and call latency p50/p99 with 16, 256 and 1,024 sessions calling in a closed loop; the p50
 time to open a session (connect to first reset reply) with 1,024 opening at once; churn sessions/s
 (open, reset, one call, close; 32 workers) with the server's CPU time per churn session (user +
-system, all threads, from ``/proc``: the figure least moved by other jobs on a shared machine); and
+system, all threads, from ``/proc``: the figure least moved by other jobs on a shared machine); the
+server's CPU time per call over each calls phase's measured window (the same kind of figure, and
+the one that says what the server costs when the client, not the server, bounds calls/s); and
 sessions still alive after all that (worst round).
 ``--baseline PATH`` adds the toolgym server of another checkout as one more column (a before/after
 with the same client in the same run).
@@ -127,12 +129,31 @@ class Server:
             self.process.wait()
 
 
-def load(mode: str, kind: str, url: str, count: int, duration: float) -> dict[str, Any]:
-    """Run one load phase in a fresh client process; its JSON result."""
+def load(mode: str, kind: str, server: Server, count: int, duration: float) -> dict[str, Any]:
+    """Run one load phase in a fresh client process; its JSON result.
+
+    A calls phase also gets ``server_cpu_us_per_call``: the server's CPU time (``/proc``) over the
+    client's measured window (between its ``measuring`` and ``stopped`` lines) per call answered
+    in it. Unlike calls/s it does not depend on how fast the client is.
+    """
     protocol = "openenv" if kind == "openenv" else "toolgym"
-    command = _pinned(1, [sys.executable, str(HERE / "load.py"), mode, protocol, url, str(count), str(duration)])
-    output = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600, cwd=ROOT).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    command = _pinned(1, [sys.executable, str(HERE / "load.py"), mode, protocol, server.url, str(count), str(duration)])
+    marks: dict[str, float] = {}
+    lines: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT) as client:
+        assert client.stdout is not None
+        for line in client.stdout:
+            line = line.strip()
+            if line in ("measuring", "stopped"):
+                marks[line] = server.cpu_seconds()
+            elif line:
+                lines.append(line)
+        if client.wait(timeout=600) != 0:
+            raise subprocess.CalledProcessError(client.returncode, command)
+    result: dict[str, Any] = json.loads(lines[-1])
+    if mode == "calls":
+        result["server_cpu_us_per_call"] = 1e6 * (marks["stopped"] - marks["measuring"]) / max(result["calls"], 1)
+    return result
 
 
 def measure(kind: str, sessions: list[int], duration: float, churn_workers: int,
@@ -142,10 +163,10 @@ def measure(kind: str, sessions: list[int], duration: float, churn_workers: int,
     try:
         results: dict[str, Any] = {"calls": {}}
         for count in sessions:
-            results["calls"][count] = load("calls", kind, server.url, count, duration)
+            results["calls"][count] = load("calls", kind, server, count, duration)
             print(f"  {kind} {count:>5} sessions: {json.dumps(results['calls'][count])}", flush=True)
         cpu = server.cpu_seconds()
-        results["churn"] = load("churn", kind, server.url, churn_workers, duration)
+        results["churn"] = load("churn", kind, server, churn_workers, duration)
         # The steadiest figure on a shared machine: contention slows a phase down, it barely changes this.
         results["churn"]["server_cpu_ms"] = 1e3 * (server.cpu_seconds() - cpu) / max(results["churn"]["sessions"], 1)
         print(f"  {kind} churn: {json.dumps(results['churn'])}", flush=True)
@@ -177,6 +198,7 @@ def table(results: dict[str, dict[str, Any]], sessions: list[int]) -> str:
         calls = [results[k]["calls"][count] for k in kinds]
         row(f"tool calls/s, {count} sessions", [f"{c['calls_per_s']:,.0f}" for c in calls])
         row(f"call latency p50 / p99 (ms), {count} sessions", [f"{c['p50_ms']:.1f} / {c['p99_ms']:.1f}" for c in calls])
+        row(f"server CPU per call (us), {count} sessions", [f"{c['server_cpu_us_per_call']:.1f}" for c in calls])
     biggest = max(sessions)
     row(f"session open p50 (s), {biggest} at once",
         [f"{results[k]['calls'][biggest]['open_p50_s']:.2f}" for k in kinds])
