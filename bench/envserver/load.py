@@ -265,8 +265,9 @@ async def calls(proto: Any, sessions: int, duration: float) -> dict[str, Any]:
     await asyncio.gather(*tasks)
     good = [o for o in opened if o == o]
     return {"sessions": sessions, "calls": measured, "calls_per_s": measured / elapsed,
-            "p50_ms": _pct(latencies, 0.5) * 1e3, "p99_ms": _pct(latencies, 0.99) * 1e3, "open_p50_s": statistics.median(good) if good else None,
-            "open_max_s": max(good) if good else None, "errors": errors}
+            "p50_ms": _pct(latencies, 0.5) * 1e3, "p99_ms": _pct(latencies, 0.99) * 1e3,
+            "open_p50_s": statistics.median(good) if good else None, "open_max_s": max(good) if good else None,
+            "errors": errors}
 
 
 async def churn(proto: Any, workers: int, duration: float) -> dict[str, Any]:
