@@ -152,7 +152,8 @@ class Client:
         text = await ws.recv()
         if text is None:
             raise RuntimeError("connection ended")
-        return json.loads(text)
+        message: dict[str, Any] = json.loads(text)
+        return message
 
     async def aclose(self) -> None:
         """Nothing is pooled; kept so both protocols end the same way."""
