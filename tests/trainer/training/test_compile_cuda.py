@@ -78,18 +78,19 @@ def test_compiled_step_matches_eager() -> None:
     reference = copy.deepcopy(eager).float()
     compiled = copy.deepcopy(eager)
     assert compile_decoder_layers(compiled) == 4
-    row = _row(0)
-    loss_r, grads_r = _step(reference, row)
-    loss_e, grads_e = _step(eager, row)
-    loss_c, grads_c = _step(compiled, row)
-    assert loss_c == pytest.approx(loss_e, rel=2e-2, abs=1e-3)
-    assert loss_e != 0.0
-    for name, g in grads_r.items():
-        scale = g.norm().clamp_min(1e-12)
-        err_eager = float((grads_e[name] - g).norm() / scale)
-        err_compiled = float((grads_c[name] - g).norm() / scale)
-        assert err_compiled <= 1.5 * err_eager + 1e-2, (
-            f"{name}: compiled is {err_compiled:.3g} from float32, eager {err_eager:.3g}")
+    for seed in (0, 1):  # without eager's rounding (emulate_precision_casts) row 0 failed: 3x eager's error
+        row = _row(seed)
+        loss_r, grads_r = _step(reference, row)
+        loss_e, grads_e = _step(eager, row)
+        loss_c, grads_c = _step(compiled, row)
+        assert loss_c == pytest.approx(loss_e, rel=2e-3, abs=1e-4)
+        assert loss_e != 0.0
+        for name, g in grads_r.items():
+            scale = g.norm().clamp_min(1e-12)
+            err_eager = float((grads_e[name] - g).norm() / scale)
+            err_compiled = float((grads_c[name] - g).norm() / scale)
+            assert err_compiled <= 1.25 * err_eager + 2e-3, (
+                f"row {seed}, {name}: compiled is {err_compiled:.3g} from float32, eager {err_eager:.3g}")
 
 
 def test_thirty_row_lengths_compile_a_bounded_number_of_times() -> None:
