@@ -50,6 +50,7 @@ from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_ser
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.sync.background import BackgroundSync
 from trainer.sync.gather import PolicyWeights, adapter_state_dict
 from trainer.sync.lora_sync import (
     LORA_CACHE_DIR,
@@ -137,6 +138,7 @@ class _PipelineCallback(TrainerCallback):
         self.trainer._step_groups = set()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer._wait_for_sync()  # the optimizer is about to change the weights it reads
         self._opt_start = time.perf_counter()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -145,11 +147,14 @@ class _PipelineCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.trainer
         if state.global_step % args.weight_sync_steps == 0:
-            t._sync_weights(t._policy_version + 1)
+            t._sync_weights(t._policy_version + 1, overlap=True)
         t._end_of_step(time.perf_counter() - self._step_start)
         self._step_start = time.perf_counter()
         if not t._explicit_max_steps and t._step_feed_state.epoch_done:
             control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer._wait_for_sync()  # the last step's sync: its error is the run's
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -261,6 +266,7 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
+        self._background_sync: BackgroundSync | None = None  # syncs overlapping the next step
         self._allowance: StalenessAllowance | None = None  # rank 0: the worker's staleness allowance
         self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
@@ -309,6 +315,9 @@ class AsyncGRPOTrainer(Trainer):
             self._shutdown()
 
     def _shutdown(self) -> None:
+        if self._background_sync is not None:
+            self._background_sync.close()
+            self._background_sync = None
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
@@ -382,6 +391,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._adapter_sync is None:
             self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest(),
                                               pause_mode=args.weight_sync_pause)
+            if self._syncer.pause_mode == "none" and not self.is_fsdp_enabled:  # FSDP: every rank gathers
+                self._background_sync = BackgroundSync()
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if (version > 0 or self._adapter_sync is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
@@ -526,12 +537,25 @@ class AsyncGRPOTrainer(Trainer):
         tokens = inputs.row_for(self.accelerator.process_index).num_unique_tokens
         return 6 * self._num_params * tokens
 
-    def _sync_weights(self, version: int, barrier: bool = True) -> None:
-        """Push the weights as ``version`` (rank 0) once every rank finished its optimizer step."""
+    def _sync_weights(self, version: int, barrier: bool = True, overlap: bool = False) -> None:
+        """Push the weights as ``version`` (rank 0) once every rank finished its optimizer step; with
+        ``overlap`` and a sync that needs no pause, on a thread while the next step goes on
+        (:mod:`trainer.sync.background`)."""
         t0 = time.perf_counter()
         if barrier:
             self.accelerator.wait_for_everyone()
         barrier_s = time.perf_counter() - t0
+        self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
+        if overlap and self._background_sync is not None and self._syncer is not None:
+            syncer, weights = self._syncer, self._policy_weights()
+
+            def sync() -> SyncTimings:
+                timings = syncer.sync(weights, version)
+                self._publish_version(version)  # at once: new rollouts start under the new version
+                return timings
+
+            self._background_sync.start(sync)
+            return
         timings: SyncTimings | None = None
         model = self.accelerator.unwrap_model(self.model)
         sharded = is_sharded(model)  # FSDP2: every rank joins the gathers, rank 0 sends (trainer.sync.gather)
@@ -552,8 +576,17 @@ class AsyncGRPOTrainer(Trainer):
         if timings is not None:
             self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
             self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
-        self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
         self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
+        self.metrics.add("perf/weight_sync_wait_s", time.perf_counter() - t0)
+
+    def _wait_for_sync(self) -> None:
+        """Join an overlapped sync (re-raising its error) and log it."""
+        finished = self._background_sync.wait() if self._background_sync is not None else None
+        if finished is not None:
+            self.metrics.add("perf/weight_sync_pause_s", finished.timings.pause_s)
+            self.metrics.add("perf/weight_sync_transfer_s", finished.timings.transfer_s)
+            self.metrics.add("perf/weight_sync_s", finished.duration_s)
+            self.metrics.add("perf/weight_sync_wait_s", finished.waited_s)
 
     def _publish_version(self, version: int) -> None:
         """Make ``version`` the policy version of the trainer, the stream and new rollouts."""
@@ -650,6 +683,7 @@ class AsyncGRPOTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The base save plus ``rollout_state.json``, atomically (:mod:`trainer.checkpoint`): a kill or
         a full disk mid-save leaves the earlier checkpoints as they were."""
+        self._wait_for_sync()  # the saved policy version is the one the server has
         if self._checkpoints is None:
             self._checkpoints = StagedCheckpoints(self.accelerator.wait_for_everyone, self.is_world_process_zero())
         run_dir = super()._get_output_dir(trial)

@@ -222,11 +222,13 @@ class AsyncGRPOConfig(TrainingArguments):
                   "'source': the source's rule, max(max_staleness, 1) x the tokens the last step consumed."},
     )
     weight_sync_pause: str = field(
-        default="keep",
-        metadata={"help": "How the server pauses for a weight sync (docs/pipeline.md). 'keep': running requests "
-                  "keep their KV cache and go on with the new weights after the sync; 'reset': the source's "
-                  "pause, which clears the KV cache and so preempts every running request (each recomputes "
-                  "its prefix with the new weights after the sync)."},
+        default="none",
+        metadata={"help": "How the server pauses for a weight sync (docs/pipeline.md). 'none': no pause: the "
+                  "whole update is one engine call between two generation steps (the toolgym_shm backend; "
+                  "backends that load chunk by chunk, such as nccl, pause as 'keep'); 'keep': running "
+                  "requests keep their KV cache and go on with the new weights after the sync; 'reset': the "
+                  "source's pause, which clears the KV cache and so preempts every running request (each "
+                  "recomputes its prefix with the new weights after the sync)."},
     )
     rollout_worker_timeout: float = field(
         default=300.0, metadata={"help": "Seconds without a worker heartbeat before it is declared hung."}
@@ -300,7 +302,7 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
-        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("keep", "reset")}
+        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("none", "keep", "reset")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")

@@ -11,20 +11,25 @@ adaptive concurrency cap up to 512 rollouts), 24-token completions. Each pipelin
   ``max_staleness`` steps of tokens, counted when the trainer takes a group off the queue;
   ``weight_sync_pause="reset"``: ``/pause?mode=keep`` clearing the KV cache, which preempts every
   running request);
-* ``default``: this project's defaults (see ``docs/pipeline.md``);
+* ``keep``: the defaults with ``weight_sync_pause="keep"``: the sync pauses the server without
+  clearing its KV cache (this project's default before the whole-update sync);
+* ``default``: this project's defaults (see ``docs/pipeline.md``: the sync is one engine call,
+  with no pause);
 * ``cap64``: the defaults with ``max_concurrent_rollouts=64``: fewer requests in flight when a
-  sync comes (``--settings source,default,cap64``).
+  sync comes (``--settings source,keep,default,cap64``).
 
 Printed per run and as medians per setting, from the trainer's logs, after the first
 ``--skip`` steps (start-up): stale drops / samples that reached the trainer, sum of
-``perf/weight_sync_pause_s`` / sum of ``perf/step_s``, sum of ``perf/rollout_wait_s`` / sum of
-``perf/step_s`` (trainer idle), generated tokens/s, seconds per step, mean staleness, rollouts in
+``perf/weight_sync_pause_s`` / sum of ``perf/step_s`` (and the same for the whole sync,
+``perf/weight_sync_s``, and for the time the training loop blocked on it,
+``perf/weight_sync_wait_s``), sum of ``perf/rollout_wait_s`` / sum of ``perf/step_s`` (trainer
+idle), generated tokens/s, seconds per step, mean staleness, rollouts in
 flight, vLLM preemptions, and the machine's 1-minute load average at the run's end.
 
 Command (repository root, after ``make setup``)::
 
     .venv/bin/python bench/pipeline/bench_short_rollouts.py [--steps 30] [--rounds 1] \\
-        [--settings source,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
+        [--settings source,keep,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
 
 ``--token-budget 256`` makes a step take fewer samples than the server generates meanwhile (the
 regime where the queue fills to the allowance, as in issue 20); the figures measured with it are
@@ -50,6 +55,7 @@ from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 COMPLETION_TOKENS = 24
 SETTINGS: dict[str, dict[str, Any]] = {
     "source": {"staleness_allowance": "source", "weight_sync_pause": "reset"},
+    "keep": {"weight_sync_pause": "keep"},
     "default": {},
     "cap64": {"max_concurrent_rollouts": 64},
 }
@@ -102,6 +108,8 @@ def run_setting(name: str, model_dir: Path, base_url: str, out: Path, args: argp
     return {
         "stale_frac": total("sample/dropped_stale_count") / received if received else float("nan"),
         "pause_frac": total("perf/weight_sync_pause_s") / step_s,
+        "sync_frac": total("perf/weight_sync_s") / step_s,
+        "sync_wait_frac": total("perf/weight_sync_wait_s") / step_s,
         "idle_frac": total("perf/rollout_wait_s") / step_s,
         "tokens_per_s": sum(h.get("rollout/generated_tokens_per_s", 0.0) * h["perf/step_s"] for h in logs) / step_s,
         "s_per_step": step_s / len(logs),
@@ -116,7 +124,8 @@ def run_setting(name: str, model_dir: Path, base_url: str, out: Path, args: argp
 def describe(name: str, r: dict[str, float]) -> str:
     """One run's figures as a line."""
     return (f"{name:>8}: stale drops {r['stale_frac']:6.1%} of {r['received']:.0f} samples, sync pause "
-            f"{r['pause_frac']:6.1%} of step time, trainer idle {r['idle_frac']:6.1%}, generated "
+            f"{r['pause_frac']:6.1%} of step time (whole sync {r['sync_frac']:5.1%}, trainer blocked on it "
+            f"{r['sync_wait_frac']:5.1%}), trainer idle {r['idle_frac']:6.1%}, generated "
             f"{r['tokens_per_s']:6,.0f} tok/s, {r['s_per_step']:.2f} s/step, staleness {r['staleness']:.2f}, "
             f"in flight {r['in_flight']:.0f}, preemptions {r['preemptions']:.0f}, load {r['load']:.1f}")
 

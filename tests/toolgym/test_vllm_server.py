@@ -20,7 +20,8 @@ from trainer.rollout.sampler_client import (
     parse_prometheus,
     server_load,
 )
-from trainer.sync.weight_sync import WeightSynchronizer
+from trainer.sync.vllm_plugin import PROTOCOL_VERSION
+from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
 
 PROMPT = [5, 17, 42, 99, 7]
 
@@ -93,16 +94,19 @@ def test_parse_prometheus_reduces_over_engines() -> None:
     assert (load.kv_cache_usage, load.running, load.waiting, load.preemptions) == (0.75, 7, 1, 2)
 
 
+@pytest.mark.parametrize("pause_mode", ["none", "keep"])  # one whole-update call / chunk by chunk under a pause
 def test_weight_update_matches_transformers(
-    vllm_server: VLLMServer, tiny_model_dir: Path, restore_served_weights: WeightSynchronizer
+    pause_mode: str, vllm_server: VLLMServer, tiny_model_dir: Path, restore_served_weights: WeightSynchronizer
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():  # every tensor, the tied embedding / lm_head included
             p.add_(torch.randn_like(p) * 0.3)
-    timings = restore_served_weights.sync(model.named_parameters(), version=7)
-    assert timings.transfer_s > 0
+    sync = WeightSynchronizer(restore_served_weights.client, SharedMemorySender(restore_served_weights.client,
+                              chunk_bytes=1 << 16), checkpoint_manifest(tiny_model_dir), pause_mode=pause_mode)
+    timings = sync.sync(model.named_parameters(), version=7)  # several chunks: 64 KiB each
+    assert timings.transfer_s > 0 and (timings.pause_s == 0) == (pause_mode == "none")
 
     # Greedy decoding equals transformers' argmax on the new weights...
     greedy = _complete(vllm_server.base_url, SamplingParams(max_tokens=10, temperature=0.0, logprobs=1), seed=0)
@@ -140,7 +144,9 @@ def test_server_rejects_a_chunk_whose_metadata_lies(
     from safetensors.torch import save_file
 
     client = restore_served_weights.client
-    client.init_weight_transfer_engine({"protocol_version": 1})
+    with pytest.raises(WeightSyncError, match="trainer speaks protocol 1, this server speaks 2"):
+        client.init_weight_transfer_engine({"protocol_version": 1})  # an older trainer: refused, named
+    client.init_weight_transfer_engine({"protocol_version": PROTOCOL_VERSION})
     path = tmp_path / "chunk.safetensors"
     save_file({"model.norm.weight": torch.ones(3)}, str(path))
     client.start_weight_update()

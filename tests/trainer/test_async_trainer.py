@@ -101,7 +101,8 @@ def test_short_run_trains_syncs_and_logs(
         "sampling/importance_sampling_ratio/mean", "sampling/sampler_mass", "clip_ratio/region_mean",
         "completions/mean_length", "rollout/generated_tokens_per_s", "rollout/concurrency_cap",
         "sample/staleness_mean", "batch/packing_ratio", "batch/trained_tokens_per_step", "perf/step_s",
-        "perf/weight_sync_s", "perf/weight_sync_transfer_s", "perf/rollout_wait_s", "num_tokens",
+        "perf/weight_sync_s", "perf/weight_sync_transfer_s", "perf/weight_sync_wait_s", "perf/rollout_wait_s",
+        "num_tokens",
     }
     seen = set().union(*(h.keys() for h in trainer.state.log_history))
     assert expected <= seen, f"missing metrics: {sorted(expected - seen)}"

@@ -8,17 +8,23 @@ path, names, dtypes and shapes in the JSON body; the server memory-maps the file
 tensors through the model's own ``load_weights`` (checkpoint-format names, so fused layers are
 handled by vLLM).
 
+A whole update can also arrive as one ``/update_weights`` call (``whole_update``: the first chunk
+plus ``more_chunks``). vLLM's engine runs such a call between two of its steps, and this engine
+starts its layerwise reload only with the first chunk it receives, so the model is never seen
+half-loaded and the server need not pause for the sync (``weight_sync_pause="none"``).
+
 Registered through the ``vllm.general_plugins`` entry point in ``pyproject.toml``; start the
-server with ``--weight-transfer-config '{"backend": "toolgym_shm"}'``. This module is imported by
-vLLM processes only: nothing else in toolgym imports it.
+server with ``--weight-transfer-config '{"backend": "toolgym_shm"}'``. Its engine is built in vLLM
+processes only; the trainer side (:mod:`trainer.sync.weight_sync`) imports just its constants.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 BACKEND_NAME = "toolgym_shm"
+PROTOCOL_VERSION = 2  # 2: whole updates in one call
 
 
 def register() -> None:
@@ -51,12 +57,16 @@ def _engine_class() -> type:
 
     @dataclass
     class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
-        """One chunk: a safetensors file and what the trainer says it holds."""
+        """One chunk: a safetensors file and what the trainer says it holds. With ``whole_update``
+        the call carries the rest of the update in ``more_chunks`` (same fields) and finishes the
+        reload itself."""
 
         path: str
         names: list[str]
         dtype_names: list[str]
         shapes: list[list[int]]
+        more_chunks: list[dict[str, Any]] = field(default_factory=list)
+        whole_update: bool = False
 
     class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
         """Receives checkpoint-format tensors from safetensors files in shared memory."""
@@ -64,26 +74,45 @@ def _engine_class() -> type:
         init_info_cls = SharedMemoryInitInfo
         update_info_cls = SharedMemoryUpdateInfo
         supports_draft_weight_update = False
+        _reloading = False  # a layerwise reload is under way (between its first chunk and its end)
 
         def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
-            if init_info.protocol_version != 1:
+            if init_info.protocol_version != PROTOCOL_VERSION:
                 raise ValueError(
                     f"toolgym_shm: trainer speaks protocol {init_info.protocol_version}, "
-                    "this server speaks 1; install the same toolgym on both sides"
+                    f"this server speaks {PROTOCOL_VERSION}; install the same toolgym on both sides"
                 )
 
         def start_weight_update(self) -> None:
-            self._aliases = _shared_parameters(self.model)
-            initialize_layerwise_reload(self.model)
+            # The reload begins with the first chunk (_begin_reload), not here: between this call
+            # and a whole update the engine keeps stepping, and it must step on a whole model.
+            self._reloading = False
 
         def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]  # (*args) shim
-            _restore_shared_parameters(self._aliases)
+            self._end_reload()
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises on CPU;
             # loading here is synchronous, so there is nothing to wait for.
-            self.receive_weights(self.parse_update_info(update_info))
+            info = self.parse_update_info(update_info)
+            self._begin_reload()
+            self.receive_weights(info)
+            for chunk in info.more_chunks:
+                self.receive_weights(self.parse_update_info(chunk))
+            if info.whole_update:
+                self._end_reload()
+
+        def _begin_reload(self) -> None:
+            if not self._reloading:
+                self._aliases = _shared_parameters(self.model)
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+
+        def _end_reload(self) -> None:
+            if self._reloading:
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]  # (*args) shim
+                _restore_shared_parameters(self._aliases)
+                self._reloading = False
 
         def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
             weights: list[tuple[str, torch.Tensor]] = []

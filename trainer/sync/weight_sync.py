@@ -9,13 +9,22 @@ One sync is vLLM's standard sequence, timed per phase::
     POST /reset_prefix_cache                  cached prefixes were computed with the old weights
     POST /resume
 
-The pause mode is ``weight_sync_pause``: ``"keep"`` (above) or ``"reset"``, the source's
-``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV cache and so preempts
-every running request: each one recomputes its whole prefix after the sync (hundreds of prefills
-at once under load), and the pause itself grows with the requests it preempts. With ``"keep"``
-the prefix-cache reset succeeds only when no request holds KV blocks (vLLM refuses it
-otherwise); a request that reuses an older prefix is still trained correctly, as its sampler
-log-probs are those of the weights that produced it (``docs/pipeline.md``).
+The pause mode is ``weight_sync_pause``:
+
+* ``"none"`` (backends that can take a whole update in one call: ``toolgym_shm``): no pause and no
+  resume. Every chunk is written first, then one ``/update_weights`` call loads them all; vLLM's
+  engine runs that call between two of its steps, so no step sees a half-loaded model, and
+  generation stops only for the load itself. On other backends ``"none"`` pauses as ``"keep"``.
+* ``"keep"`` (above).
+* ``"reset"``: the source's ``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV
+  cache and so preempts every running request: each one recomputes its whole prefix after the
+  sync (hundreds of prefills at once under load), and the pause itself grows with the requests it
+  preempts.
+
+Without ``"reset"`` the prefix-cache reset succeeds only when no request holds KV blocks (vLLM
+refuses it otherwise), and running requests go on under the new weights with their KV cache; a
+request that reuses an older prefix is still trained correctly, as its sampler log-probs are those
+of the weights that produced it (``docs/pipeline.md``).
 
 Backends (chosen to match the server's ``--weight-transfer-config``):
 
@@ -35,6 +44,7 @@ raised as a :class:`~trainer.exceptions.WeightSyncError` and treated as fatal.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -49,6 +59,9 @@ from typing import Any, Protocol
 import torch
 
 from trainer.exceptions import VLLMServerError, WeightSyncError
+from trainer.sync.vllm_plugin import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 TensorSource = Iterable[tuple[str, torch.Tensor]]  # a list, or a stream gathered while sent (trainer.sync.gather)
@@ -177,11 +190,14 @@ def merged_lora_weights(model: torch.nn.Module) -> NamedTensors:
 class WeightSender(Protocol):
     """A backend that moves tensors into the server between start and finish."""
 
+    supports_whole_update: bool  # can load a whole update in one engine call (no pause needed)
+
     def init(self) -> None:
         """One-time handshake with the server."""
 
-    def transfer(self, weights: TensorSource, version: int) -> None:
-        """Run start -> update(s) -> finish(version) for ``weights``."""
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
+        """Run start -> update(s) -> finish(version) for ``weights``; with ``whole_update``, one
+        update call loads everything (only where ``supports_whole_update``)."""
 
 
 def _chunks(weights: TensorSource, max_bytes: int) -> Iterator[NamedTensors]:
@@ -210,31 +226,45 @@ class SharedMemorySender:
         chunk_bytes: Largest chunk written at once (bounds the shared memory in use).
     """
 
+    supports_whole_update = True
+
     def __init__(self, client: VLLMAdminClient, chunk_bytes: int = 512 << 20) -> None:
         self.client = client
         self.chunk_bytes = chunk_bytes
 
     def init(self) -> None:
         """Handshake: tells the server's engine which wire protocol we speak."""
-        self.client.init_weight_transfer_engine({"protocol_version": 1})
+        self.client.init_weight_transfer_engine({"protocol_version": PROTOCOL_VERSION})
 
-    def transfer(self, weights: TensorSource, version: int) -> None:
-        """Write each chunk to shared memory, have the server load it, then finish."""
-        from safetensors.torch import save_file
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
+        """Write each chunk to shared memory and have the server load it (chunk by chunk, or, with
+        ``whole_update``, every chunk written first and all loaded by one call), then finish.
 
+        One chunk at a time bounds the shared memory in use by ``chunk_bytes``; a whole update
+        holds the whole policy there until the server has loaded it.
+        """
         self.client.start_weight_update()
         with tempfile.TemporaryDirectory(prefix="toolgym-weights-", dir=_shared_memory_dir()) as tmp:
-            for i, chunk in enumerate(_chunks(weights, self.chunk_bytes)):
-                path = os.path.join(tmp, f"chunk{i}.safetensors")
-                save_file({n: t.detach().contiguous().cpu() for n, t in chunk}, path)
-                self.client.update_weights({
-                    "path": path,
-                    "names": [n for n, _ in chunk],
-                    "dtype_names": [str(t.dtype).split(".")[-1] for _, t in chunk],
-                    "shapes": [list(t.shape) for _, t in chunk],
-                })
-                os.unlink(path)
+            chunks = (self._write(tmp, i, chunk) for i, chunk in enumerate(_chunks(weights, self.chunk_bytes)))
+            if whole_update:
+                first, *rest = list(chunks) or [self._write(tmp, 0, [])]
+                self.client.update_weights({**first, "more_chunks": rest, "whole_update": True})
+            else:
+                for info in chunks:
+                    self.client.update_weights(info)
+                    os.unlink(info["path"])
         self.client.finish_weight_update(str(version))
+
+    @staticmethod
+    def _write(tmp: str, index: int, chunk: NamedTensors) -> dict[str, Any]:
+        """Save ``chunk`` as a safetensors file in ``tmp``; the update info that describes it."""
+        from safetensors.torch import save_file
+
+        path = os.path.join(tmp, f"chunk{index}.safetensors")
+        save_file({n: t.detach().contiguous().cpu() for n, t in chunk}, path)
+        return {"path": path, "names": [n for n, _ in chunk],
+                "dtype_names": [str(t.dtype).split(".")[-1] for _, t in chunk],
+                "shapes": [list(t.shape) for _, t in chunk]}
 
 
 class _StaticSource:
@@ -267,6 +297,8 @@ class NCCLSender:
         server_world_size: Number of the server's workers (``/get_world_size``).
     """
 
+    supports_whole_update = False  # vLLM's NCCL engine drives start / update / finish itself
+
     def __init__(self, client: VLLMAdminClient, master_address: str, master_port: int, server_world_size: int) -> None:
         self.client = client
         self.master_address = master_address
@@ -290,8 +322,10 @@ class NCCLSender:
         self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
             info, client=self.client, source=self._source)  # type: ignore[arg-type]
 
-    def transfer(self, weights: TensorSource, version: int) -> None:
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
         """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""
+        if whole_update:
+            raise WeightSyncError("the nccl backend cannot load a whole update in one call")
         self._source.weights = weights
         self._engine.send_weights()
         self.client.request("POST", "/update_weight_version", {"new_version": str(version)}, error=WeightSyncError)
@@ -311,7 +345,7 @@ class SyncTimings:
         return self.pause_s + self.transfer_s + self.resume_s
 
 
-PAUSE_MODES = ("keep", "reset")
+PAUSE_MODES = ("none", "keep", "reset")
 
 
 class WeightSynchronizer:
@@ -322,14 +356,20 @@ class WeightSynchronizer:
         sender: The backend.
         manifest: Names and shapes of the served checkpoint (see :func:`checkpoint_manifest`);
             checked before anything reaches the server.
-        pause_mode: ``"keep"`` (running requests keep their KV cache) or ``"reset"`` (the
-            source's pause: the KV cache is cleared, preempting every running request).
+        pause_mode: ``"none"`` (the whole update in one engine call, no pause, where the backend
+            can; else as ``"keep"``), ``"keep"`` (running requests keep their KV cache) or
+            ``"reset"`` (the source's pause: the KV cache is cleared, preempting every running
+            request).
     """
 
     def __init__(self, client: VLLMAdminClient, sender: WeightSender,
-                 manifest: dict[str, tuple[int, ...]] | None = None, pause_mode: str = "keep") -> None:
+                 manifest: dict[str, tuple[int, ...]] | None = None, pause_mode: str = "none") -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
+        if pause_mode == "none" and not sender.supports_whole_update:
+            logger.info("weight_sync_pause='none': the %s backend loads chunk by chunk, so syncs pause "
+                        "the server as 'keep'", type(sender).__name__)
+            pause_mode = "keep"
         self.client = client
         self.sender = sender
         self.manifest = manifest or {}
@@ -346,6 +386,10 @@ class WeightSynchronizer:
             self.sender.init()
             self._initialised = True
         t0 = time.perf_counter()
+        if self.pause_mode == "none":
+            self.sender.transfer(weights, version, whole_update=True)
+            self.client.reset_prefix_cache()
+            return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
         self.client.pause("keep", clear_cache=self.pause_mode == "reset")
         t1 = time.perf_counter()
         try:

@@ -1,12 +1,14 @@
 """The weight sync's pause modes on the real vLLM CPU server, with requests running through the sync.
 
 ``"reset"`` (the source's ``/pause?mode=keep``, which clears the KV cache) preempts every running
-request; ``"keep"`` (``clear_cache=false``) preempts none. Both finish every request in full.
+request; ``"keep"`` (``clear_cache=false``) preempts none; ``"none"`` (the whole update in one
+engine call) never pauses the server and preempts none. All finish every request in full.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +44,12 @@ def _long_completion(base_url: str, model: str, i: int) -> int:
         return int(json.load(r)["usage"]["completion_tokens"])
 
 
-@pytest.mark.parametrize(("mode", "preempts"), [("reset", True), ("keep", False)])
+def _watch_paused(admin: VLLMAdminClient, seen: list[bool], stop: threading.Event) -> None:
+    while not stop.is_set():
+        seen.append(bool(admin.request("GET", "/is_paused")["is_paused"]))
+
+
+@pytest.mark.parametrize(("mode", "preempts"), [("reset", True), ("keep", False), ("none", False)])
 def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tiny_model_dir: Path,
                          restore_served_weights: WeightSynchronizer) -> None:
     base = vllm_server.base_url
@@ -59,8 +66,18 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
             assert time.monotonic() < deadline, "no request ever ran"
             time.sleep(0.02)
         before, running = load.preemptions, load.running
-        sync.sync(weights, version=1)
+        paused: list[bool] = []
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_paused, args=(VLLMAdminClient(base, timeout_s=30), paused, stop))
+        watcher.start()
+        try:
+            sync.sync(weights, version=1)
+        finally:
+            stop.set()
+            watcher.join()
         assert not any(f.done() for f in futures), "a request finished during the sync: the test proves nothing"
+        if mode == "none":  # (a pause of the other modes is too short to be seen by every poll)
+            assert paused and not any(paused), f"the server paused during the sync: {paused}"
         lengths = [f.result(timeout=300) for f in futures]
     assert lengths == [LONG] * REQUESTS
     # The engine publishes its counters with a later step's stats: read them once every request is done.
