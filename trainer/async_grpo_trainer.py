@@ -138,7 +138,7 @@ class _PipelineCallback(TrainerCallback):
         self.trainer._step_groups = set()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._wait_for_sync()  # the optimizer is about to change the weights it reads
+        self.trainer._wait_for_sync(block=False)  # the optimizer is about to change the weights it reads
         self._opt_start = time.perf_counter()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -267,6 +267,7 @@ class AsyncGRPOTrainer(Trainer):
         self._policy_version = 0
         self._syncer: WeightSynchronizer | None = None
         self._background_sync: BackgroundSync | None = None  # syncs overlapping the next step
+        self._sync_wait_s = 0.0  # this step's time blocked on weight syncs (perf/weight_sync_wait_s)
         self._allowance: StalenessAllowance | None = None  # rank 0: the worker's staleness allowance
         self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
@@ -547,10 +548,11 @@ class AsyncGRPOTrainer(Trainer):
         barrier_s = time.perf_counter() - t0
         self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
         if overlap and self._background_sync is not None and self._syncer is not None:
+            self._wait_for_sync()  # one sync at a time: the previous one ends first
             syncer, weights = self._syncer, self._policy_weights()
 
-            def sync() -> SyncTimings:
-                timings = syncer.sync(weights, version)
+            def sync(read_done: Callable[[], None]) -> SyncTimings:
+                timings = syncer.sync(weights, version, read_done)
                 self._publish_version(version)  # at once: new rollouts start under the new version
                 return timings
 
@@ -577,16 +579,23 @@ class AsyncGRPOTrainer(Trainer):
             self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
             self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
         self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
-        self.metrics.add("perf/weight_sync_wait_s", time.perf_counter() - t0)
+        self._sync_wait_s += time.perf_counter() - t0
 
-    def _wait_for_sync(self) -> None:
-        """Join an overlapped sync (re-raising its error) and log it."""
-        finished = self._background_sync.wait() if self._background_sync is not None else None
+    def _wait_for_sync(self, block: bool = True) -> None:
+        """Wait for an overlapped sync: until it ends, or (``block=False``) only until it no longer
+        reads the weights; log it once it ended. Raises its error."""
+        background = self._background_sync
+        if background is None or not background.pending:
+            return
+        t0 = time.perf_counter()
+        if not block:
+            background.wait_for_read()
+        finished = background.collect(block)
+        self._sync_wait_s += time.perf_counter() - t0
         if finished is not None:
             self.metrics.add("perf/weight_sync_pause_s", finished.timings.pause_s)
             self.metrics.add("perf/weight_sync_transfer_s", finished.timings.transfer_s)
             self.metrics.add("perf/weight_sync_s", finished.duration_s)
-            self.metrics.add("perf/weight_sync_wait_s", finished.waited_s)
 
     def _publish_version(self, version: int) -> None:
         """Make ``version`` the policy version of the trainer, the stream and new rollouts."""
@@ -616,6 +625,8 @@ class AsyncGRPOTrainer(Trainer):
         m.add("batch/microbatches_per_step", args.gradient_accumulation_steps)
         m.add("perf/step_s", step_s)
         m.add("perf/rollout_wait_s", wait_s)
+        m.add("perf/weight_sync_wait_s", self._sync_wait_s)
+        self._sync_wait_s = 0.0
         m.add("perf/fwd_bwd_s", self._step_fwd_bwd_s)
         m.add("perf/fwd_s", self._step_fwd_s)
         m.add("batch/groups_per_step", len(self._step_groups))

@@ -142,8 +142,11 @@ def test_resume_continues_at_the_saved_prompt(
     assert trainer.state.global_step == 3
     assert trainer.stream.policy_version == 3
     # The worker restarted at the saved position, not at the start: at the very start it runs one
-    # group at a time, so the first group scored is the prompt at that position.
+    # group at a time, so the first group scored is the prompt at that position, or past it when
+    # the checkpoint counts it as done or partly trained (a step that packed part of its group).
     position = state["first_untrained_position"]
+    while position in state["done_positions"]:
+        position += 1
     epoch, offset = divmod(position, 40)
     order = list(range(40))
     random.Random(args.seed + epoch).shuffle(order)

@@ -1,15 +1,18 @@
-"""A weight sync on a thread of its own, overlapping the next step's forward and backward.
+"""A weight sync on a thread of its own, overlapping the next step.
 
-A sync only reads the weights, and nothing changes them until the next optimizer step, so the
-training process can go on with the next step (waiting for rollouts, forward, backward) while
-the sync runs; it waits for the sync just before that optimizer step (and before a checkpoint
-save and at the end of training). It is used where the server takes the whole update in one
-engine call (``weight_sync_pause="none"``), so generation is not paused either; a pausing sync
-overlapped with training would hold the server paused for as long as the step takes.
+A sync reads the weights only while it stages them (the ``toolgym_shm`` backend writes every chunk
+to shared memory before the server loads any), and nothing changes them until the next optimizer
+step. So the training process goes on with the next step (waiting for rollouts, forward,
+backward) while the sync runs, and before that optimizer step it waits only until the sync has
+read the weights (:meth:`BackgroundSync.wait_for_read`); the server's part of the sync goes on
+meanwhile. It is used where the server takes the whole update in one engine call
+(``weight_sync_pause="none"``), so generation is not paused either: a pausing sync overlapped with
+training would hold the server paused for as long as the step takes.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,48 +20,64 @@ from dataclasses import dataclass
 
 from trainer.sync.weight_sync import SyncTimings
 
+ReadDone = Callable[[], None]
+"""Called by a sync once it holds its own copy of the weights (they may change from then on)."""
+
 
 @dataclass
 class FinishedSync:
-    """What :meth:`BackgroundSync.wait` returns: the sync's phases, its duration and the wait."""
+    """A sync that ended: its phases and its duration on its thread."""
 
     timings: SyncTimings
-    duration_s: float  # from its start to its end, on its thread
-    waited_s: float  # how long the training loop blocked on it
+    duration_s: float
 
 
 class BackgroundSync:
-    """Runs one sync at a time on a worker thread; :meth:`wait` joins it and re-raises its error."""
+    """Runs one sync at a time on a worker thread; its error is raised where the caller waits."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="toolgym-weight-sync")
-        self._pending: Future[tuple[SyncTimings, float]] | None = None
+        self._pending: Future[FinishedSync] | None = None
+        self._read = threading.Event()
 
     @property
     def pending(self) -> bool:
-        """Whether a sync was started and not yet waited for."""
+        """Whether a sync was started and not yet collected."""
         return self._pending is not None
 
-    def start(self, sync: Callable[[], SyncTimings]) -> None:
-        """Run ``sync()`` on the thread; a sync must not be pending (``wait`` for it first)."""
+    def start(self, sync: Callable[[ReadDone], SyncTimings]) -> None:
+        """Run ``sync(read_done)`` on the thread; a sync must not be pending (:meth:`collect` it first)."""
         if self._pending is not None:
-            raise RuntimeError("a weight sync is already pending: wait() for it first")
+            raise RuntimeError("a weight sync is already pending: collect() it first")
         started = time.perf_counter()
+        self._read.clear()
 
-        def run() -> tuple[SyncTimings, float]:
-            timings = sync()
-            return timings, time.perf_counter() - started
+        def run() -> FinishedSync:
+            try:
+                timings = sync(self._read.set)
+            finally:
+                self._read.set()
+            return FinishedSync(timings, time.perf_counter() - started)
 
         self._pending = self._pool.submit(run)
 
-    def wait(self) -> FinishedSync | None:
-        """Block until the pending sync ends; ``None`` when none is pending. Raises what it raised."""
+    def wait_for_read(self) -> float:
+        """Block until the pending sync no longer reads the weights; the seconds blocked (0 when none
+        is pending). Raises the sync's error if it failed by then."""
         if self._pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._read.wait()
+        if self._pending.done() and self._pending.exception() is not None:
+            self.collect()
+        return time.perf_counter() - t0
+
+    def collect(self, block: bool = True) -> FinishedSync | None:
+        """The pending sync once it ended (waiting for it with ``block``), else ``None``. Raises what it raised."""
+        if self._pending is None or not (block or self._pending.done()):
             return None
         future, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        timings, duration_s = future.result()
-        return FinishedSync(timings, duration_s, time.perf_counter() - t0)
+        return future.result()
 
     def close(self) -> None:
         """Wait for a pending sync (its error, if any, is dropped: the run is ending) and stop the thread."""

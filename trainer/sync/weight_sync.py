@@ -51,7 +51,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -195,9 +195,11 @@ class WeightSender(Protocol):
     def init(self) -> None:
         """One-time handshake with the server."""
 
-    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False,
+                 read_done: Callable[[], None] | None = None) -> None:
         """Run start -> update(s) -> finish(version) for ``weights``; with ``whole_update``, one
-        update call loads everything (only where ``supports_whole_update``)."""
+        update call loads everything (only where ``supports_whole_update``). ``read_done`` is called
+        once ``weights`` are no longer read (the caller may change them from then on)."""
 
 
 def _chunks(weights: TensorSource, max_bytes: int) -> Iterator[NamedTensors]:
@@ -236,23 +238,30 @@ class SharedMemorySender:
         """Handshake: tells the server's engine which wire protocol we speak."""
         self.client.init_weight_transfer_engine({"protocol_version": PROTOCOL_VERSION})
 
-    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False,
+                 read_done: Callable[[], None] | None = None) -> None:
         """Write each chunk to shared memory and have the server load it (chunk by chunk, or, with
-        ``whole_update``, every chunk written first and all loaded by one call), then finish.
+        ``whole_update``, every chunk written first, ``read_done`` called, and all loaded by one call),
+        then finish.
 
         One chunk at a time bounds the shared memory in use by ``chunk_bytes``; a whole update
         holds the whole policy there until the server has loaded it.
         """
-        self.client.start_weight_update()
         with tempfile.TemporaryDirectory(prefix="toolgym-weights-", dir=_shared_memory_dir()) as tmp:
             chunks = (self._write(tmp, i, chunk) for i, chunk in enumerate(_chunks(weights, self.chunk_bytes)))
             if whole_update:
                 first, *rest = list(chunks) or [self._write(tmp, 0, [])]
+                if read_done is not None:
+                    read_done()
+                self.client.start_weight_update()
                 self.client.update_weights({**first, "more_chunks": rest, "whole_update": True})
             else:
+                self.client.start_weight_update()
                 for info in chunks:
                     self.client.update_weights(info)
                     os.unlink(info["path"])
+                if read_done is not None:
+                    read_done()
         self.client.finish_weight_update(str(version))
 
     @staticmethod
@@ -322,12 +331,15 @@ class NCCLSender:
         self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
             info, client=self.client, source=self._source)  # type: ignore[arg-type]
 
-    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False) -> None:
+    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False,
+                 read_done: Callable[[], None] | None = None) -> None:
         """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""
         if whole_update:
             raise WeightSyncError("the nccl backend cannot load a whole update in one call")
         self._source.weights = weights
         self._engine.send_weights()
+        if read_done is not None:
+            read_done()
         self.client.request("POST", "/update_weight_version", {"new_version": str(version)}, error=WeightSyncError)
 
 
@@ -376,8 +388,10 @@ class WeightSynchronizer:
         self.pause_mode = pause_mode
         self._initialised = False
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTimings:
-        """Push ``weights`` as policy ``version``; always resumes generation, raises on failure."""
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], version: int,
+             read_done: Callable[[], None] | None = None) -> SyncTimings:
+        """Push ``weights`` as policy ``version``; always resumes generation, raises on failure.
+        ``read_done`` is called as soon as ``weights`` are no longer read (see :class:`WeightSender`)."""
         meta = getattr(weights, "meta", None)  # a streamed source (trainer.sync.gather) is checked on its
         if meta is None:                       # metadata and gathered chunk by chunk while it is sent
             weights = list(weights)
@@ -387,13 +401,13 @@ class WeightSynchronizer:
             self._initialised = True
         t0 = time.perf_counter()
         if self.pause_mode == "none":
-            self.sender.transfer(weights, version, whole_update=True)
+            self.sender.transfer(weights, version, whole_update=True, read_done=read_done)
             self.client.reset_prefix_cache()
             return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
         self.client.pause("keep", clear_cache=self.pause_mode == "reset")
         t1 = time.perf_counter()
         try:
-            self.sender.transfer(weights, version)
+            self.sender.transfer(weights, version, read_done=read_done)
             self.client.reset_prefix_cache()
         finally:
             t2 = time.perf_counter()
