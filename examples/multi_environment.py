@@ -54,7 +54,8 @@ def fibonacci(n: int) -> int:
 
 
 class CodingEnv:
-    """Compute a Fibonacci number by running Python; reward 1.0 once ``run_code`` printed it.
+    """Compute a Fibonacci number by running Python; reward 1.0 once a ``run_code`` call printed it
+    and nothing else.
 
     Args:
         log_path: Append one JSON line per finished episode here (``None``: no log).
@@ -74,7 +75,7 @@ class CodingEnv:
         return f"Compute the {self.n}th Fibonacci number. Print it with the run_code tool."
 
     def get_reward(self) -> float:
-        """1.0 when a ``run_code`` call printed the answer, else 0.0."""
+        """1.0 when a ``run_code`` call printed exactly the answer, else 0.0."""
         reward = float(self.solved)
         _append(self._log_path, {"env": type(self).__name__, "reset_kwargs": self._reset_kwargs, "n": self.n,
                                  "reward": reward})
@@ -90,7 +91,9 @@ class CodingEnv:
             The captured standard output.
         """
         result = run_python(code, CODE_LIMITS)
-        if result.ok and str(fibonacci(self.n)) in result.output.split():
+        # The whole output must be the answer: accepting it anywhere in the output would reward a
+        # program that prints every Fibonacci number up to F(20).
+        if result.ok and result.output.strip() == str(fibonacci(self.n)):
             self.solved = True
         return result.output
 

@@ -146,6 +146,9 @@ def test_example_tools_and_environments_expose_the_right_tools() -> None:
             game.move(action)
     assert game.get_reward() == 1.0
     coding.reset(seed=5)
+    coding.run_code("for i in range(1, 21):\n    print(fib := round(1.618033988749895 ** i / 5 ** 0.5))")
+    assert coding.get_reward() == 0.0, "printing every candidate answer is not solving the task"
+    coding.reset(seed=5)
     coding.run_code(f"print({envs.fibonacci(coding.n)})")
     assert coding.get_reward() == 1.0
 
