@@ -95,8 +95,10 @@ class AgentTask:
         """An ``openai.AsyncOpenAI`` on this rollout's endpoint (closed when the rollout ends).
 
         Its retries are off: the worker's sampler client already retries the sampler. Its HTTP
-        connections come from the loop's shared pool (``http_client``): a client of its own would
-        build a TLS context per rollout, about 0.1 s of CPU, more than the rest of the rollout.
+        client is the loop's shared one (``http_client``), which answers requests to the endpoint
+        in process, without a loopback socket (:class:`~trainer.rollout.harness.InProcessTransport`):
+        a client of its own would build a TLS context per rollout, about 0.1 s of CPU, more than
+        the rest of the rollout, and pay a loopback HTTP round trip per request.
         """
         import openai
 

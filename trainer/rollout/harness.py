@@ -31,10 +31,11 @@ import contextvars
 import dataclasses
 import json
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ from trainer.rollout.openai_compat import (
 )
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 
-__all__ = ["CaptureServer", "CaptureSession", "SampleFunc"]
+__all__ = ["CaptureServer", "CaptureSession", "InProcessTransport", "SampleFunc"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ SampleFunc = Callable[[list[int], int | None, list[str]], Coroutine[Any, Any, Tu
 """``(prompt_ids, max_tokens or None, stop strings) -> TurnRecord``: one sampling request."""
 
 _FINISHED_KEPT = 65536  # secrets of finished rollouts remembered, to answer 404 rather than 401
+_ROUTE = re.compile(r"(?:/r/(?P<secret>[^{}/]+))?/v1/(?P<route>chat/completions|models)")
 
 
 @dataclass
@@ -153,6 +155,7 @@ class CaptureServer:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._runner: web.AppRunner | None = None
         self._incremental = False
+        self.address: tuple[str, int] | None = None  # (host, port) listened on
 
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -166,6 +169,7 @@ class CaptureServer:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         host, port = self._runner.addresses[0][:2]
+        self.address = (host, port)
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         logger.info("harness endpoint listening at %s", self.url)
 
@@ -195,9 +199,8 @@ class CaptureServer:
                 self._finished.popitem(last=False)
 
     # ------------------------------------------------------------------------------ routes
-    def _session(self, request: web.Request) -> CaptureSession:
-        secret = request.match_info.get("secret")
-        auth = request.headers.get("Authorization", "")
+    def _session(self, secret: str | None, auth: str) -> CaptureSession:
+        """The session a request is for: the secret in its URL, else its ``Authorization`` key."""
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         if secret is not None and key is not None and key != secret and key in self._sessions:
             raise OpenAIRequestError("the API key belongs to another rollout than the URL", 401, "invalid_api_key")
@@ -213,22 +216,33 @@ class CaptureServer:
                                      "rollout_finished")
         raise OpenAIRequestError("unknown rollout secret", 401, "invalid_api_key")
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    def models_body(self, secret: str | None, auth: str) -> tuple[int, dict[str, Any]]:
+        """``GET /v1/models``: the status and the JSON body."""
         try:
-            self._session(request)
+            self._session(secret, auth)
         except OpenAIRequestError as exc:
-            return self._error(exc)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "toolgym"}]})
+            return exc.status, error_body(exc)
+        return 200, {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "toolgym"}]}
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        status, body = self.models_body(request.match_info.get("secret"), request.headers.get("Authorization", ""))
+        return web.json_response(body, status=status)
+
+    async def chat(self, secret: str | None, auth: str, read: Callable[[], Awaitable[bytes]],
+                   ) -> tuple[int, dict[str, Any] | list[bytes]]:
+        """``POST /v1/chat/completions``: the status and the JSON body, or the server-sent events of a
+        streamed answer (``data: ...`` lines, ``data: [DONE]`` last).
+
+        Args:
+            secret: The secret in the URL (``None`` on the ``/v1`` routes).
+            auth: The ``Authorization`` header (``""`` without one).
+            read: Reads the request body; raises :class:`OpenAIRequestError` (413) when it is too large.
+        """
         try:
-            session = self._session(request)
+            session = self._session(secret, auth)
             try:
-                body = await request.json()
-            except web.HTTPRequestEntityTooLarge as exc:
-                raise OpenAIRequestError(f"request body over {self.max_request_bytes} bytes", 413,
-                                         "request_too_large") from exc
+                body = json.loads(await read())
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # nesting too deep: Recursion
                 raise OpenAIRequestError(f"the body is not JSON that can be read: {type(exc).__name__}") from exc
             chat = parse_chat_request(body)
@@ -240,21 +254,34 @@ class CaptureServer:
                 turn, reply = await self._answer(session, chat)
         except OpenAIRequestError as exc:
             self.records.add("agent/refused_request_count", 1)
-            return self._error(exc)
+            return exc.status, error_body(exc)
         prompt_n, completion_n = len(turn.prompt_ids), len(turn.output_ids)
         if not chat.stream:
-            return web.json_response(completion_body(reply, self.model_name, prompt_n, completion_n))
+            return 200, completion_body(reply, self.model_name, prompt_n, completion_n)
+        chunks = completion_chunks(reply, self.model_name, prompt_n, completion_n, chat.include_usage)
+        return 200, [*(f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks), b"data: [DONE]\n\n"]
+
+    def too_large(self) -> OpenAIRequestError:
+        """The error of a request body over ``max_request_bytes``."""
+        return OpenAIRequestError(f"request body over {self.max_request_bytes} bytes", 413, "request_too_large")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        async def read() -> bytes:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge as exc:
+                raise self.too_large() from exc
+
+        status, body = await self.chat(request.match_info.get("secret"), request.headers.get("Authorization", ""),
+                                       read)
+        if not isinstance(body, list):
+            return web.json_response(body, status=status)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for chunk in completion_chunks(reply, self.model_name, prompt_n, completion_n, chat.include_usage):
-            await response.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+        for event in body:
+            await response.write(event)
         await response.write_eof()
         return response
-
-    @staticmethod
-    def _error(exc: OpenAIRequestError) -> web.Response:
-        return web.json_response(error_body(exc), status=exc.status)
 
     # ------------------------------------------------------------------------------ answering
     async def _answer(self, session: CaptureSession, chat: ChatRequest) -> tuple[TurnRecord, Reply]:
@@ -378,3 +405,83 @@ class CaptureServer:
                 name, answered_at = pending
                 self.records.add("tools/latency_s", now - answered_at)
                 self.records.add(f"tools/{name}/latency_s", now - answered_at)
+
+
+class InProcessTransport:
+    """An ``httpx`` transport that answers the endpoint's routes in the caller's task, for the client of
+    :attr:`~trainer.rollout.agents.AgentTask.client`.
+
+    A Python agent runs on the worker's event loop beside the endpoint, so its requests need not
+    cross a loopback socket: the transport hands each one to :meth:`CaptureServer.chat` (or
+    :meth:`CaptureServer.models_body`) and returns the same status, headers and body the aiohttp
+    server would. That saves the connection pool (which checks every pooled connection on each
+    request), the HTTP framing on both sides and the loop iterations between them: most of the
+    endpoint's cost per request. Any other URL, route or method goes over the network, as it would
+    without this transport. A request's read timeout (the client's ``timeout``) bounds its answer.
+
+    Args:
+        server: The started endpoint.
+        httpx: The ``httpx`` module of the ``openai`` client (``httpx`` or ``httpx2``, by version).
+    """
+
+    def __init__(self, server: CaptureServer, httpx: Any) -> None:
+        self.server = server
+        self.httpx = httpx
+        self._network: Any = None
+
+    async def __aenter__(self) -> InProcessTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the network transport, if a request needed it."""
+        if self._network is not None:
+            await self._network.aclose()
+            self._network = None
+
+    def _route(self, request: Any) -> tuple[str, str | None] | None:
+        """``(route, secret)`` of a request to this endpoint, ``None`` for anything else."""
+        url = request.url
+        if self.server.address is None or url.scheme != "http" or (url.host, url.port) != self.server.address:
+            return None
+        match = _ROUTE.fullmatch(url.path)
+        if match is None or request.method != ("POST" if match["route"] == "chat/completions" else "GET"):
+            return None
+        return match["route"], match["secret"]
+
+    async def handle_async_request(self, request: Any) -> Any:
+        """Answer one request (the ``httpx`` transport interface)."""
+        route = self._route(request)
+        if route is None:
+            if self._network is None:
+                self._network = self.httpx.AsyncHTTPTransport()
+            return await self._network.handle_async_request(request)
+        name, secret = route
+        auth = request.headers.get("Authorization", "")
+        body: dict[str, Any] | list[bytes]
+        if name == "models":
+            status, body = self.server.models_body(secret, auth)
+        else:
+            async def read() -> bytes:
+                data: bytes = await request.aread()
+                if len(data) > self.server.max_request_bytes:
+                    raise self.server.too_large()
+                return data
+
+            timeout = (request.extensions.get("timeout") or {}).get("read")
+            deadline = asyncio.timeout(timeout)
+            try:
+                async with deadline:
+                    status, body = await self.server.chat(secret, auth, read)
+            except TimeoutError as exc:
+                if not deadline.expired():
+                    raise
+                raise self.httpx.ReadTimeout("the endpoint did not answer within the read timeout",
+                                             request=request) from exc
+        if isinstance(body, list):
+            return self.httpx.Response(status, content=b"".join(body), request=request, headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        return self.httpx.Response(status, content=json.dumps(body).encode(), request=request,
+                                   headers={"Content-Type": "application/json; charset=utf-8"})

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from sdk.tools import Tool
 from trainer.exceptions import RolloutFailed
 from trainer.records import Rollout, TurnRecord
 from trainer.rollout.agents import AgentTask, check_agent, run_agent
-from trainer.rollout.harness import CaptureServer, CaptureSession
+from trainer.rollout.harness import CaptureServer, CaptureSession, InProcessTransport
 from trainer.rollout.loop import AsyncRolloutLoop
 
 if TYPE_CHECKING:
@@ -36,13 +37,19 @@ def captured_completion(session: CaptureSession) -> list[dict[str, Any]]:
     return messages[first:]
 
 
-def _shared_http_client() -> Any:
-    """One connection pool for every rollout's ``openai`` client (``None`` without the package)."""
+def _shared_http_client(capture: CaptureServer) -> Any:
+    """One HTTP client for every rollout's ``openai`` client (``None`` without the package): its requests
+    to the endpoint are answered in process (:class:`~trainer.rollout.harness.InProcessTransport`)."""
     try:
         import openai
     except ImportError:
         return None
-    return openai.DefaultAsyncHttpxClient()  # its 1,000 connections: more than max_concurrent_rollouts' 512
+    client_class = openai.DefaultAsyncHttpxClient
+    # openai's HTTP library: httpx, or httpx2 in later releases (the client's base class tells which).
+    base = next(c for c in client_class.__mro__ if c.__name__ == "AsyncClient")
+    httpx = importlib.import_module(base.__module__.split(".")[0])
+    transport: Any = InProcessTransport(capture, httpx)  # duck-typed: the base class is httpx's or httpx2's
+    return client_class(transport=transport)
 
 
 class HarnessRolloutLoop(AsyncRolloutLoop):
@@ -72,7 +79,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.chat_template_kwargs, host=c.harness_host, port=c.harness_port,
             max_request_bytes=c.harness_max_request_bytes)
         await self.capture.start()
-        self._http_client = _shared_http_client()
+        self._http_client = _shared_http_client(self.capture)
 
     async def close(self) -> None:
         """Stop the capture endpoint."""
