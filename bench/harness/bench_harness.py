@@ -19,7 +19,8 @@ Printed per run, and the harness / built-in ratio of the medians: finished rollo
 tokens/s (the issue's target: harness >= 0.9x built-in), turns and tool calls per rollout, the
 sampler's idle fraction (``idle (client)``: wall time with no sampling request in flight;
 ``idle (server)``: 0.1 s polls of vLLM's ``/metrics`` reading no running request) and this
-process's CPU per rollout. Both arms share the measurement code of ``bench/multiturn``.
+process's CPU per rollout, and the machine's 1-minute load average at the end of the run. Both
+arms share the measurement code of ``bench/multiturn``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -76,7 +78,9 @@ def one_arm(arm: str, base_url: str, model_dir: Path, env_url: str, concurrency:
             await loop.envs.aclose()
             await loop.close()
 
-    return asyncio.run(run())
+    result = asyncio.run(run())
+    result["load_1m"] = os.getloadavg()[0]
+    return result
 
 
 def main() -> None:
@@ -102,12 +106,12 @@ def main() -> None:
         envserver.stop()
     print(f"{args.concurrency} rollouts in flight, tool latency {args.tool_ms} ms, {args.seconds:.0f} s per run")
     header = (f"{'arm':>9} {'rollouts/s':>11} {'gen tok/s':>10} {'turns':>6} {'tool calls':>10} "
-              f"{'idle (client)':>13} {'idle (server)':>13} {'CPU ms/rollout':>14}")
+              f"{'idle (client)':>13} {'idle (server)':>13} {'CPU ms/rollout':>14} {'load 1m':>7}")
     print(header)
     for arm, r in rows:
         print(f"{arm:>9} {r['rollouts_per_s']:>11.2f} {r['generated_tokens_per_s']:>10.0f} {r['turns']:>6.2f} "
               f"{r['tool_calls']:>10.2f} {r['client_idle_frac']:>13.1%} {r['server_idle_frac']:>13.1%} "
-              f"{r['cpu_ms_per_rollout']:>14.1f}")
+              f"{r['cpu_ms_per_rollout']:>14.1f} {r['load_1m']:>7.2f}")
 
     def median(arm: str, key: str) -> float:
         return statistics.median(r[key] for a, r in rows if a == arm)
