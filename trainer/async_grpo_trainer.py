@@ -147,7 +147,8 @@ class _PipelineCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.trainer
         if state.global_step % args.weight_sync_steps == 0:
-            t._sync_weights(t._policy_version + 1, overlap=True)
+            t._requested_version += 1  # not _policy_version + 1: an overlapped sync publishes it later
+            t._sync_weights(t._requested_version, overlap=True)
         t._end_of_step(time.perf_counter() - self._step_start)
         self._step_start = time.perf_counter()
         if not t._explicit_max_steps and t._step_feed_state.epoch_done:
@@ -265,6 +266,7 @@ class AsyncGRPOTrainer(Trainer):
         self.feed: StepFeed | None = None  # multi-process: rank 0 -> other ranks
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
+        self._requested_version = 0  # the version of the last sync started (every rank counts them)
         self._syncer: WeightSynchronizer | None = None
         self._background_sync: BackgroundSync | None = None  # syncs overlapping the next step
         self._sync_wait_s = 0.0  # this step's time blocked on weight syncs (perf/weight_sync_wait_s)
@@ -364,7 +366,7 @@ class AsyncGRPOTrainer(Trainer):
                            "again from its first prompt (the checkpoint had trained up to position %d)", start)
             start, done = 0, []
         version = int(self._resume_state.get("policy_version", 0))
-        self._policy_version = version
+        self._policy_version = self._requested_version = version
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         if world > 1:

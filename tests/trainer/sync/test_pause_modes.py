@@ -75,7 +75,9 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
         finally:
             stop.set()
             watcher.join()
-        assert not any(f.done() for f in futures), "a request finished during the sync: the test proves nothing"
+        if mode != "none":  # without a pause generation goes on, and a slow sync may outlast every request;
+            # that requests were running at its start and the server never paused is what "none" shows
+            assert not any(f.done() for f in futures), "a request finished during the sync: the test proves nothing"
         if mode == "none":  # (a pause of the other modes is too short to be seen by every poll)
             assert paused and not any(paused), f"the server paused during the sync: {paused}"
         lengths = [f.result(timeout=300) for f in futures]

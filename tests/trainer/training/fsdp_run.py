@@ -38,7 +38,7 @@ def _record_sent() -> None:
     """Rank 0: keep a copy of every tensor the shared-memory sender writes (the last sync wins)."""
     original = SharedMemorySender.transfer
 
-    def transfer(self: SharedMemorySender, weights: Any, version: int) -> None:
+    def transfer(self: SharedMemorySender, weights: Any, version: int, **kwargs: Any) -> None:
         SENT.clear()
 
         def tap() -> Any:
@@ -46,7 +46,7 @@ def _record_sent() -> None:
                 SENT[name] = tensor.detach().clone()
                 yield name, tensor
 
-        original(self, tap(), version)
+        original(self, tap(), version, **kwargs)
 
     SharedMemorySender.transfer = transfer  # type: ignore[method-assign]
 
