@@ -53,13 +53,13 @@ class BackgroundSync:
         self._read.clear()
 
         def run() -> FinishedSync:
-            try:
-                timings = sync(self._read.set)
-            finally:
-                self._read.set()
+            timings = sync(self._read.set)
             return FinishedSync(timings, time.perf_counter() - started)
 
         self._pending = self._pool.submit(run)
+        # Also set once the future holds its outcome: a sync that failed before reading is then seen
+        # as failed by wait_for_read (a `finally` in run() would wake it before the future is done).
+        self._pending.add_done_callback(lambda _: self._read.set())
 
     def wait_for_read(self) -> float:
         """Block until the pending sync no longer reads the weights; the seconds blocked (0 when none
