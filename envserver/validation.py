@@ -21,6 +21,8 @@ _TYPE_CHECKS: dict[str, Any] = {
     "object": lambda v: isinstance(v, dict),
     "null": lambda v: v is None,
 }
+# Schema keys that check more than the type (``_check``); ``description``, ``title`` and the like do not.
+_CHECKED_KEYS = frozenset(("nullable", "anyOf", "enum", "items", "prefixItems", "additionalProperties"))
 
 
 class ArgumentValidator:
@@ -29,19 +31,30 @@ class ArgumentValidator:
     def __init__(self, parameters: dict[str, Any]) -> None:
         self._properties: dict[str, Any] = parameters.get("properties", {})
         self._required: list[str] = parameters.get("required", [])
+        self._required_names = frozenset(self._required)
+        # A property whose schema is a single known type and nothing else that checks (the schema
+        # of most tool arguments) is checked by its type test alone; any other goes through _check.
+        self._type_only: dict[str, Any] = {
+            name: _TYPE_CHECKS[schema["type"]] for name, schema in self._properties.items()
+            if isinstance(schema.get("type"), str) and schema["type"] in _TYPE_CHECKS
+            and not _CHECKED_KEYS.intersection(schema)}
 
     def __call__(self, arguments: object) -> str | None:
         """Return ``None`` when ``arguments`` is valid, else a message saying what is wrong."""
         if not isinstance(arguments, dict):
             return f"arguments must be a JSON object, got {_json_type(arguments)}"
-        missing = [name for name in self._required if name not in arguments]
-        if missing:
+        if not self._required_names <= arguments.keys():
+            missing = [name for name in self._required if name not in arguments]
             return f"missing required argument(s): {', '.join(missing)}"
-        unknown = [name for name in arguments if name not in self._properties]
-        if unknown:
+        if not arguments.keys() <= self._properties.keys():
+            unknown = [name for name in arguments if name not in self._properties]
             expected = ", ".join(self._properties) or "none"
             return f"unexpected argument(s): {', '.join(unknown)} (expected: {expected})"
+        type_only = self._type_only
         for name, value in arguments.items():
+            test = type_only.get(name)
+            if test is not None and test(value):
+                continue
             error = _check(value, self._properties[name], name)
             if error:
                 return error

@@ -37,16 +37,22 @@ def enable_fsdp_on_cpu(accelerator: Any, plugin_args: dict[str, Any] | None) -> 
 
     accelerate builds its FSDP plugin only for GPU-like distributed types and leaves a ``MULTI_CPU``
     run unsharded, silently. ``fully_shard`` runs on a CPU device mesh with gloo, so the same plugin
-    (from the config's ``fsdp`` fields) is installed on the accelerator's state, with the mixed
-    precision the run asked for.
+    is installed on the accelerator's state, with the mixed precision the run asked for: from the
+    config's ``fsdp`` fields (``plugin_args``), else from an accelerate config file (``accelerate
+    launch`` exports it as ``ACCELERATE_USE_FSDP`` and ``FSDP_*``, which the plugin reads).
     """
     from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
 
     state = accelerator.state
-    if plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+    if state.distributed_type != DistributedType.MULTI_CPU:
         return False
-    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if plugin_args is not None:
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    elif parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        plugin = FullyShardedDataParallelPlugin()
+    else:
+        return False
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.distributed_type = DistributedType.FSDP

@@ -16,12 +16,12 @@ branch right before the first token of its sibling):
 when its ``attention_mask`` is a :class:`TreeLayout` (the packed forward passes one; see
 ``trainer.training.tree_attention.packed_hidden_states``) and runs the stock forward otherwise. The
 delta rule runs on flash-linear-attention (``fla-core``) on CUDA where its kernels are valid
-(:func:`fla_usable`), else on transformers' torch reference, on every segment of a depth at once.
+(``trainer.training.delta_rule``), else on transformers' torch reference, on every segment of a depth
+at once.
 """
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,17 +30,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _hub_chunk_rule
 
+from trainer.training.delta_rule import DeltaRule, delta_rule_for
 from trainer.training.packing import PackedRow
 
 __all__ = [
     "SegmentLevel",
     "TreeLayout",
     "enable_tree_gated_deltanet",
-    "fla_usable",
     "gated_deltanet_modules",
-    "select_delta_rule",
     "tree_causal_conv",
     "tree_gated_delta_rule",
 ]
@@ -159,86 +157,9 @@ def tree_causal_conv(
     return F.silu(out) if activation == "silu" else out
 
 
-def fla_usable(device: torch.device, needs_grad: bool) -> bool:
-    """Whether flash-linear-attention's chunked gated delta rule is installed and valid on ``device``.
-
-    fla-core refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (wrong results there,
-    its issue #640); then the forward alone is still valid (inference), training takes the torch path.
-    """
-    if device.type != "cuda":
-        return False
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:
-        return False
-    return not (needs_grad and IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
-
-
-DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-# transformers wraps its torch reference so that it calls fla instead whenever fla is importable (seen on
-# the H200: the "torch" path then hit fla's Hopper backward guard); the torch path must be the torch code.
-_torch_chunk_rule = inspect.unwrap(_hub_chunk_rule)
-
-
-def _torch_varlen_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' torch chunked rule on variable-length segments, padded into one batch.
-
-    Padding tokens carry q = k = v = 0, beta = 0 and log-decay 0, so the state passes them unchanged
-    and each segment's final state is exact.
-    """
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
-    pos = torch.arange(max_len, device=q.device)
-    valid = pos[None, :] < lengths[:, None]  # (S, L)
-    idx = torch.where(valid, cu_seqlens[:-1, None] + pos[None, :], q.shape[0])  # (S, L); T = padding
-    pad = [torch.cat([t, t.new_zeros(1, *t.shape[1:])])[idx] for t in (q, k, v, g, beta)]
-    out, final = _torch_chunk_rule(
-        *pad[:3], g=pad[3], beta=pad[4], initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )  # (S, L, H, V), (S, H, K, V)
-    return out[valid], final
-
-
-def _fla_varlen_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash-linear-attention's chunked rule, one varlen call with per-segment initial states."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-    )
-    return out[0], final
-
-
-_BACKENDS = ("auto", "torch", "fla")
-_backend = "auto"
-
-
-def select_delta_rule(backend: str) -> None:
-    """Choose the delta-rule kernel of :func:`tree_gated_delta_rule` for this process.
-
-    ``auto`` (default): fla where :func:`fla_usable`, else transformers' torch rule; ``torch``: always
-    the torch rule; ``fla``: always fla (raises where it is not installed or refuses). (The torch rule
-    under ``torch.compile`` was tried: right forward, wrong gradients on torch 2.13, so it is not offered.)
-    """
-    global _backend
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown delta-rule backend {backend!r}: one of {', '.join(_BACKENDS)}")
-    _backend = backend
-
-
-def _default_rule(device: torch.device, needs_grad: bool) -> DeltaRule:
-    if _backend == "fla" or (_backend == "auto" and fla_usable(device, needs_grad)):
-        return _fla_varlen_rule
-    return _torch_varlen_rule
-
-
+# Eager even inside a compiled decoder layer: the torch rule traced by dynamo gave wrong gradients
+# (torch 2.13), and fla's kernels are opaque to it anyway.
+@torch.compiler.disable
 def tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layout: TreeLayout,
     rule: DeltaRule | None = None,
@@ -252,13 +173,13 @@ def tree_gated_delta_rule(
         beta: (N, H) write strength.
         layout: The row's :class:`TreeLayout`.
         rule: A varlen rule ``(q, k, v, g, beta, initial_state, cu_seqlens, max_len) -> (out, final)``;
-            default the one :func:`select_delta_rule` chose.
+            default ``delta_rule_for`` (the one ``select_delta_rule`` chose, valid here).
 
     Returns:
         (N, H, V) outputs in row order.
     """
     if rule is None:
-        rule = _default_rule(q.device, torch.is_grad_enabled() and q.requires_grad)
+        rule = delta_rule_for(q, v)
     heads, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
     outs: list[torch.Tensor] = []
     states: torch.Tensor | None = None
