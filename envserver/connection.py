@@ -31,7 +31,7 @@ from sdk import protocol
 from sdk.loading import did_you_mean
 from sdk.protocol import CLOSE_SESSION_ENDED, ErrorCode, Op, error_reply, ok_reply
 
-_scan = json.decoder.JSONDecoder().scan_once
+_scan = json.decoder.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__, not in typeshed
 _encode_string = json.encoder.encode_basestring  # what protocol.dumps writes for a str (ensure_ascii off)
 
 logger = logging.getLogger("envserver.connection")

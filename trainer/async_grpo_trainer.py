@@ -81,6 +81,7 @@ from trainer.training.loss import (
 )
 from trainer.training.model_loading import freeze_outside_language_model, load_model
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
+from trainer.training.row_forward import forwarded_positions
 from trainer.training.tree_attention import enable_tree_attention
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
@@ -242,7 +243,8 @@ class AsyncGRPOTrainer(Trainer):
         check_output_head(model)
         self._aux_coef = resolve_aux_loss_coef(model, args.router_aux_loss_coef)
         self._router = RouterLogits(model) if self._aux_coef > 0 else None
-        enable_tree_attention(model)
+        if args.packing == "tree":
+            enable_tree_attention(model)  # else per-sample rows, through the model's own layers
         self._num_params = sum(p.numel() for p in model.parameters())
         self._flop_model = FlopModel.from_config(model.config)
         self._compile_tracker: CompileTracker | None = None
@@ -421,7 +423,8 @@ class AsyncGRPOTrainer(Trainer):
                 stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
                                        start_position=start, stop_position=stop, keep_samples=args.log_completions,
-                                       done_positions=done, stop_epochs=stop_epochs)
+                                       done_positions=done, stop_epochs=stop_epochs,
+                                       share_prefixes=args.packing == "tree")
         self.stream.policy_version = version
         if self.feed is not None:
             self.feed.mark_ready()
@@ -513,7 +516,7 @@ class AsyncGRPOTrainer(Trainer):
         # trained tokens of all rows (num_trained_global): times W, the average is the global sum.
         loss = loss * self.accelerator.num_processes
         if self._router is not None:  # MoE: + coef x the load-balancing loss of this row's real tokens
-            aux = self._router.aux_loss(row.num_unique_tokens)
+            aux = self._router.aux_loss(forwarded_positions(model, row))
             self.metrics.add("aux_loss", float(aux.detach()))
             loss = loss + self._aux_coef * aux / self.current_gradient_accumulation_steps
         self.accelerator.backward(loss)

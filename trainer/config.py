@@ -198,6 +198,15 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "Sampler top log-probs requested per generated token (score centering's H_t); "
                   "capped by the server's --max-logprobs."},
     )
+    packing: str = field(
+        default="tree",
+        metadata={"help": "How samples share a row. 'tree': tree packing (SPEC §5): a row is a prefix trie, a "
+                  "prompt shared by a group is forwarded once; full-attention, sliding-window and Gated DeltaNet "
+                  "layers. 'per_sample': nothing is shared, each sample is forwarded on its own (a right-padded "
+                  "batch, the model's own layers): the way to train families tree packing refuses (Mamba2 and "
+                  "other state-space layers, short convolutions such as LFM2, attention sinks), at the cost of "
+                  "the packing ratio (each group's prompt forwarded once per sample)."},
+    )
     token_budget: int | None = field(
         default=None,
         metadata={"help": "Most unique tokens forwarded in one row; None: the server's max_model_len. A "
@@ -302,7 +311,8 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
-        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("none", "keep", "reset")}
+        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("none", "keep", "reset"),
+                   "packing": ("tree", "per_sample")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")

@@ -85,14 +85,15 @@ class MicroBatchStream:
         stop_epochs: For a stream: ``stop_position`` becomes ``stop_epochs`` x its epoch size once
             the worker reports that size, before any prompt of its second pass arrives.
         keep_samples: Keep the trained samples until :meth:`take_trained_samples` (``log_completions``).
+        share_prefixes: Tree packing (``True``); ``False`` for rows that share nothing (``packing="per_sample"``).
     """
 
     def __init__(self, worker: GroupSource, num_rows: int, token_budget: int, max_staleness: int,
                  metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None,
                  keep_samples: bool = False, done_positions: Iterable[int] = (),
-                 stop_epochs: float | None = None) -> None:
+                 stop_epochs: float | None = None, share_prefixes: bool = True) -> None:
         self.worker = worker
-        self.planner = RowPlanner(num_rows, token_budget)
+        self.planner = RowPlanner(num_rows, token_budget, share_prefixes)
         self.token_budget = token_budget
         self.max_staleness = max_staleness
         self.metrics = metrics

@@ -159,7 +159,7 @@ def tree_causal_conv(
 
 # Eager even inside a compiled decoder layer: the torch rule traced by dynamo gave wrong gradients
 # (torch 2.13), and fla's kernels are opaque to it anyway.
-@torch.compiler.disable
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
 def tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layout: TreeLayout,
     rule: DeltaRule | None = None,

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.training.packing import PackedRow
-from trainer.training.tree_attention import packed_hidden_states, unwrap_model
+from trainer.training.row_forward import row_hidden_states
+from trainer.training.tree_attention import unwrap_model
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "final_logit_softcap", "forward_packed", "head_loss_from_hidden",
@@ -167,7 +168,7 @@ def forward_packed(
         temperature: Sampling temperature.
         chunk_size: Trained tokens per LM-head chunk.
     """
-    hidden = packed_hidden_states(model, row)  # (N, D)
+    hidden = row_hidden_states(model, row)  # (N, D)
     head = unwrap_model(model).get_output_embeddings()
     return logprobs_from_hidden(hidden, head, row, temperature, chunk_size, final_logit_softcap(model))
 

@@ -26,7 +26,8 @@ from trainer.training.logprobs import (
     head_loss_from_hidden,
 )
 from trainer.training.packing import PackedRow
-from trainer.training.tree_attention import packed_hidden_states, unwrap_model
+from trainer.training.row_forward import row_hidden_states
+from trainer.training.tree_attention import unwrap_model
 
 __all__ = ["STAT_REDUCTIONS", "LossConfig", "grpo_loss", "loss_metrics", "packed_grpo_loss", "reduce_loss_stats"]
 
@@ -146,7 +147,7 @@ def packed_grpo_loss(
         num_trained_global: As for :func:`grpo_loss`.
         chunk_size: Trained tokens per LM-head chunk.
     """
-    hidden = packed_hidden_states(model, row)  # (N, D)
+    hidden = row_hidden_states(model, row)  # (N, D)
     head = unwrap_model(model).get_output_embeddings()
     loss, logps = head_loss_from_hidden(
         hidden, head, row, temperature, partial(_token_losses, cfg=cfg), max(num_trained_global, 1), chunk_size,

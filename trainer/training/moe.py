@@ -77,15 +77,16 @@ class RouterLogits:
         """Forget what earlier forwards recorded (call before each forward)."""
         self._layers = []
 
-    def aux_loss(self, num_real_tokens: int) -> torch.Tensor:
-        """The load-balancing loss of the last forward over its first ``num_real_tokens`` positions
-        (a row's real tokens come first); 0 when there are none. Clears the recorded logits."""
+    def aux_loss(self, positions: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of the last forward over the tokens at ``positions`` of its flattened
+        input (a row's real tokens: :func:`trainer.training.row_forward.forwarded_positions`); 0 when
+        there are none. Clears the recorded logits."""
         layers, self._layers = self._layers, []
         if not layers:
             raise RuntimeError("no router logits were recorded: aux_loss() must follow a forward of the model")
-        if num_real_tokens == 0:
+        if positions.numel() == 0:
             return layers[0].sum() * 0.0  # keeps the routers in the graph (DDP expects their gradient)
-        logits = tuple(layer.reshape(-1, layer.shape[-1])[:num_real_tokens] for layer in layers)
+        logits = tuple(layer.reshape(-1, layer.shape[-1])[positions] for layer in layers)
         return self._loss_func(logits, self.num_experts, self.top_k)
 
     def remove(self) -> None:

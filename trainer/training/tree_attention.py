@@ -278,6 +278,12 @@ def check_softcap_device(device: torch.device) -> None:
         )
 
 
+_PER_SAMPLE_ADVICE = (
+    "Train it without tree packing: AsyncGRPOConfig(packing='per_sample') forwards each sample on its own "
+    "through the model's own layers (slower: a group's prompt is forwarded once per sample)"
+)
+
+
 def check_tree_attention_support(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModelError` when ``model`` has layers tree packing would run wrongly.
 
@@ -300,19 +306,21 @@ def check_tree_attention_support(model: nn.Module) -> None:
         raise UnsupportedModelError(
             f"{name} has layers of type {other}; tree packing runs full-attention and Gated DeltaNet layers "
             "(Qwen3, Qwen3.5/3.6, Qwen3-Next, Gemma 2, Llama-style models) and sliding-window layers but not "
-            "these, so this trainer cannot train "
-            "this model family yet: pick a model of a supported family"
+            f"these. {_PER_SAMPLE_ADVICE}"
         )
     if not layer_types and getattr(config, "sliding_window", None):
-        raise UnsupportedModelError(f"{name} uses sliding-window attention, which tree attention does not implement")
+        raise UnsupportedModelError(f"{name} uses sliding-window attention without layer_types, which tree attention "
+                                    f"does not implement. {_PER_SAMPLE_ADVICE}")
     if getattr(config, "attn_logit_softcapping", None) and (param := next(model.parameters(), None)) is not None:
         check_softcap_device(param.device)  # again on each row's device, in packed_hidden_states
     if getattr(config, "attention_dropout", 0.0):
-        raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement")
+        raise UnsupportedModelError(f"{name} has attention_dropout > 0, which tree attention does not implement. "
+                                    f"{_PER_SAMPLE_ADVICE}")
     for module_name, module in model.named_modules():
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
             raise UnsupportedModelError(
-                f"{name} has attention sinks ({module_name}.sinks), which tree attention does not implement"
+                f"{name} has attention sinks ({module_name}.sinks), which tree attention does not implement. "
+                f"{_PER_SAMPLE_ADVICE}"
             )
 
 

@@ -9,10 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
-    GraniteMoeHybridConfig,
-    GraniteMoeHybridForCausalLM,
-    Lfm2Config,
-    Lfm2ForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
@@ -21,7 +17,6 @@ from transformers import (
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
 from tests.trainer.training.test_tree_attention import SMALL, VOCAB, assert_packed_matches_alone, random_sample
-from trainer.exceptions import UnsupportedModelError
 from trainer.training.gated_deltanet import TreeLayout, tree_causal_conv, tree_gated_delta_rule
 from trainer.training.packing import _Trie, build_row
 from trainer.training.tree_attention import enable_tree_attention
@@ -140,15 +135,3 @@ def test_tree_delta_rule_starts_each_segment_from_its_parents_state() -> None:
             use_qk_l2norm_in_kernel=True,
         )
         torch.testing.assert_close(out[path], ref[0], rtol=0, atol=2e-5)
-
-
-def test_other_recurrent_families_are_refused_with_advice() -> None:
-    short_conv = Lfm2ForCausalLM(Lfm2Config(**SMALL, num_hidden_layers=2, layer_types=["conv", "full_attention"]))
-    with pytest.raises(UnsupportedModelError, match=r"\['conv'\].*pick a model of a supported family"):
-        enable_tree_attention(short_conv)
-    mamba = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
-        **SMALL, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
-        mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1,
-    ))
-    with pytest.raises(UnsupportedModelError, match=r"not a Gated DeltaNet module.*pick a model"):
-        enable_tree_attention(mamba)

@@ -35,9 +35,10 @@ def _moe(seed: int = 0) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config)
 
 
-def _trainer(model: Any, tiny_model_dir: Path, tmp_path: Path, coef: float | None) -> AsyncGRPOTrainer:
+def _trainer(model: Any, tiny_model_dir: Path, tmp_path: Path, coef: float | None,
+             packing: str = "tree") -> AsyncGRPOTrainer:
     args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_checkpointing=False,
-                           disable_tqdm=True, save_strategy="no", router_aux_loss_coef=coef)
+                           disable_tqdm=True, save_strategy="no", router_aux_loss_coef=coef, packing=packing)
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
     return AsyncGRPOTrainer(model=model, reward_funcs=zero_reward, args=args, train_dataset=data,
                             processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
@@ -82,6 +83,22 @@ def test_aux_loss_is_added_and_reaches_the_routers(tiny_model_dir: Path, tmp_pat
     assert routers, sorted(grads_a)
     for name in routers:
         assert not torch.allclose(grads_a[name], grads_b[name]), f"the aux loss does not reach {name}"
+
+
+def test_per_sample_rows_balance_over_real_tokens_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """packing="per_sample" forwards a padded batch: the routers also see its padding, which the
+    load-balancing loss must not count. Reference: the samples' router logits, each forwarded alone."""
+    trainer = _trainer(_moe(), tiny_model_dir, tmp_path, 0.5, packing="per_sample")
+    first, second = IDS[:6] + [33, 7], IDS  # the first is padded: its padding comes before the second's tokens
+    samples = [TrainingSample(TrainingSequence(ids, [0] * 4 + [1] * (len(ids) - 4), [-1.0] * len(ids)),
+                              advantage=a, group_id=0, policy_version=0) for ids, a in ((first, 1.0), (second, -1.0))]
+    _step(trainer, build_row(samples, share_prefixes=False))
+    aux = trainer.metrics.flush()["aux_loss"]
+    reference = _moe()
+    layers = [reference(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+              for ids in (first, second)]
+    expected = load_balancing_loss_func(tuple(torch.cat(pair) for pair in zip(*layers, strict=True)), 4, 2)
+    assert aux == pytest.approx(float(expected.detach()), rel=1e-5)
 
 
 def test_empty_row_adds_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
