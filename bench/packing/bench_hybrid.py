@@ -5,15 +5,18 @@ Command (on the GPU machine, from the repository root)::
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/packing/bench_hybrid.py
 
 ``--tiny`` runs every section on a tiny model (a CPU smoke test of the script; its timings mean nothing).
-Carry ``fla-core`` (``.whl/``) only for the ``fla`` backend: where it is importable, the *stock*
-transformers model calls it too, and on Hopper with Triton < 3.7.1 its backward refuses, so the
-correctness reference cannot be computed (seen on the H200).
+Carry ``fla-core`` (``.whl/``) for the ``auto`` and ``fla`` backends: ``auto`` trains with fla where
+``trainer.training.delta_rule`` allows it (on Hopper with Triton < 3.7.1, after its on-device check
+of fla's backward), else with the torch rule. The correctness reference is transformers' stock model
+with its *torch* delta rule (transformers calls fla instead whenever fla is importable).
 Sections (``--sections``, comma-separated):
 
 * ``correctness``: a small float32 hybrid (Qwen3.5 layers, head dims 128), groups sharing prompts:
   log-probs and gradients of the tree-packed row (each delta-rule backend of ``--backends``)
   against each sample forwarded alone by the stock transformers model; and, where fla-core is
-  installed, fla's forward on the same row (its backward refuses on Hopper with Triton < 3.7.1).
+  installed, fla's forward on the same row.
+* ``fla_check``: ``fla_backward_error`` (fla's guard-lifted backward against the torch rule) at the
+  Qwen3.5 head dims in bf16, and whether training would use fla.
 * ``throughput``: a Qwen3.5-2B-shaped random hybrid (24 layers, 18 Gated DeltaNet + 6 full attention,
   hidden 2048, vocabulary 248,320, tied embeddings) in bf16 with gradient checkpointing: trained
   tokens/s of the fused fwd+bwd step (``packed_grpo_loss``) on the rows ``RowPlanner`` makes with
