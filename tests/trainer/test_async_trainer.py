@@ -109,6 +109,22 @@ def test_short_run_trains_syncs_and_logs(
     assert trainer.worker is None, "the worker is stopped when train() returns"
 
 
+def test_per_sample_packing_trains_through_the_stack(
+    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, restore_served_weights: WeightSynchronizer
+) -> None:
+    """packing="per_sample" (the way out for families tree packing refuses): the planner shares
+    nothing, so every step's packing ratio is 1, and the run trains and syncs as with tree packing."""
+    before = _server_logprobs(vllm_server.base_url, [5, 17, 42])
+    trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=_dataset(),
+                               args=_config(tmp_path, vllm_server, max_steps=2, packing="per_sample"))
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.stream.policy_version == 2
+    ratios = [h["batch/packing_ratio"] for h in trainer.state.log_history if "batch/packing_ratio" in h]
+    assert ratios and all(r == 1.0 for r in ratios), ratios
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    assert _server_logprobs(vllm_server.base_url, [5, 17, 42]) != before, "the server must serve the update"
+
+
 def test_staleness_drop_and_backpressure_show_in_metrics(
     vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, restore_served_weights: WeightSynchronizer
 ) -> None:
