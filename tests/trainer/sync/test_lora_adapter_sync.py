@@ -4,6 +4,7 @@ adapter (real vLLM CPU server, one for this module)."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.spread_reward import token_reward
 from tests.trainer.sync.test_lora_sync import _logprobs, _sample
+from tests.trainer.training.torchrun import torchrun_two_ranks
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, WeightSyncError
@@ -164,3 +167,30 @@ def test_short_run_syncs_adapters(lora_server: VLLMServer, tiny_model_dir: Path,
                for a in labels.get("running_lora_adapters", "").split(",") if a}
     prefix = next(iter(run))
     assert any(a.startswith(prefix) for a in running), running
+
+
+@pytest.mark.timeout(1500)
+def test_sharded_run_syncs_full_adapters(lora_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """FSDP2 on 2 CPU ranks (``fsdp_lora_run.py``), adapter-only sync: every rank joins the gather of
+    the adapter's shards, rank 0 writes each version in full and the server loads it; the last
+    version written is the trained adapter both ranks hold."""
+    log_start = len(lora_server.log_path.read_text(errors="replace"))
+    returncode, stderr = torchrun_two_ranks("fsdp_lora_run.py", str(tiny_model_dir), lora_server.base_url,
+                                            str(tmp_path))
+    assert returncode == 0, stderr[-5000:]
+    records = [json.loads((tmp_path / f"lora{r}.json").read_text()) for r in range(2)]
+    assert all(r["dtensor"] and r["global_step"] == 2 and r["policy_version"] == 2 for r in records), records
+    assert json.loads((tmp_path / "loads.json").read_text()) == [0, 1, 2]
+    ranks = [torch.load(tmp_path / f"lora{r}.pt") for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys() and all(torch.equal(p, ranks[1][n]) for n, p in ranks[0].items())
+    written = load_file(tmp_path / "adapter_v2.safetensors")
+    # PEFT writes the adapter without its name: lora_A.default.weight -> lora_A.weight.
+    assert written.keys() == {n.replace(".default", "") for n in ranks[0]}
+    for name, p in ranks[0].items():
+        assert torch.equal(written[name.replace(".default", "")], p), name  # in full, not a shard
+    initial = load_file(tmp_path / "adapter_v0.safetensors")  # the untrained adapter: lora_B is zero
+    assert all(not t.any() for n, t in initial.items() if "lora_B" in n)
+    assert any(t.any() for n, t in written.items() if "lora_B" in n), "the adapter did not train"
+    log = lora_server.log_path.read_text(errors="replace")[log_start:]
+    loaded = re.findall(r"Loaded new LoRA adapter: name '(toolgym-\w+)-v(\d)'", log)
+    assert [int(v) for _, v in loaded] == [0, 1, 2] and len({n for n, _ in loaded}) == 1, loaded
