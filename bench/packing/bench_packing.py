@@ -403,10 +403,37 @@ def varying_rows(vocab: int, steps: int, budget: int, seed: int = 0, scale: int 
     return rows
 
 
-def compiled_step(names: list[str], steps: int, budget: int, device: str, scale: int = 1) -> list[str]:
+def padded(row: PackedRow, multiple: int) -> PackedRow:
+    """``row`` with pad tokens appended up to a multiple of ``multiple`` tokens: one chain of its own at
+    the trie's root (each pad token sees only the pads before it), nothing trained. Real tokens see
+    exactly what they saw before; the counts (``num_unique_tokens``, ``attention_cost``) stay the real
+    ones."""
+    n = row.input_ids.numel()
+    p = -n % multiple
+    if p == 0:
+        return row
+    device = row.input_ids.device
+    chain = torch.arange(p, device=device)
+    return dataclasses.replace(
+        row,
+        input_ids=torch.cat([row.input_ids, torch.zeros(p, dtype=torch.long, device=device)]),
+        position_ids=torch.cat([row.position_ids, chain]),
+        dfs_enter=torch.cat([row.dfs_enter, n + chain]),
+        dfs_leave=torch.cat([row.dfs_leave, torch.full((p,), n + p, device=device)]),
+        segment_ids=torch.cat([row.segment_ids, torch.full((p,), int(row.segment_ids.max()) + 1, device=device)]),
+    )
+
+
+COMPILE_MODES = ("eager", "compiled", "static")
+
+
+def compiled_step(names: list[str], steps: int, budget: int, device: str, scale: int = 1,
+                  modes: tuple[str, ...] = ("eager", "compiled"), bucket: int = 1024) -> list[str]:
     """Eager and compiled (``compile_decoder_layers``) fused steps over the same ``varying_rows``,
     no warm-up per length: hardware FLOP utilisation (HFU: recomputation included, ``step_flops``)
-    and MFU (``trainer.training.flops``) against the measured bf16 peak; compile stalls counted."""
+    and MFU (``trainer.training.flops``) against the measured bf16 peak; compile stalls counted.
+    ``static`` (a mode to compare): layers compiled with static shapes, rows padded up to a multiple
+    of ``bucket`` tokens (one compilation per bucket; the padding's FLOPs are not counted)."""
     from trainer.training.compile import CompileTracker, compile_decoder_layers
     from trainer.training.flops import FlopModel, row_flops
 
@@ -415,15 +442,17 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
     lines = []
     for name in names:
         spec = QWEN3.get(name, TINY)  # any other name: the tiny model (--tiny)
-        model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
-        flop_model = FlopModel.from_config(model.config)
+        flop_model = None
         rows = [r.to(device) for r in varying_rows(spec["vocab_size"], steps, budget, scale=scale)]
-        for mode in ("eager", "compiled"):
-            if mode == "compiled":
-                compile_decoder_layers(model)
+        for mode in modes:
+            model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
+            flop_model = FlopModel.from_config(model.config)
+            if mode != "eager":
+                compile_decoder_layers(model, dynamic=mode == "compiled")
+            run_rows = [padded(r, bucket) for r in rows] if mode == "static" else rows
             tracker = CompileTracker(announce=False)
             times, compiles = [], []
-            for row in rows:
+            for row in run_rows:
                 times.append(sync_time(lambda row=row: train_step(model, row), device))
                 compiles.append(tracker.take())
             tracker.close()
@@ -439,8 +468,9 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
                          f"{max(r.num_unique_tokens for r in rows)} | {hfu:.1%} | {mfu:.1%} | {tps:,.0f} | "
                          f"{sum(c for _, c in compiles)} | {stalls} | {sum(times):.1f} |")
             print(lines[-1], [round(t, 3) for t in times], flush=True)
-        model = None  # frees it before the next one is built
-        torch.cuda.empty_cache()
+            model = None  # frees it before the next one is built
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return lines
 
 
@@ -515,6 +545,8 @@ def main() -> None:
     parser.add_argument("--largest", default="8B,14B", help="Qwen3 shapes of the largest section")
     parser.add_argument("--steps", type=int, default=12, help="rows of the compiled section's sequence")
     parser.add_argument("--profile-compiled", action="store_true", help="profile the compiled step")
+    parser.add_argument("--modes", default="eager,compiled", help=f"steps of the compiled section: {COMPILE_MODES}")
+    parser.add_argument("--bucket", type=int, default=1024, help="row-length multiple of the 'static' mode")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sections = args.sections.split(",")
@@ -545,7 +577,8 @@ def main() -> None:
                 tables.append("| LM head + loss | trained tokens | best ms | us / token |\n|---|---|---|---|\n"
                               + "\n".join(rows))
             elif name == "compiled":
-                rows = compiled_step(args.models.split(","), args.steps, budget, device, scale)
+                rows = compiled_step(args.models.split(","), args.steps, budget, device, scale,
+                                     tuple(args.modes.split(",")), args.bucket)
                 tables.append("| Qwen3 | step | rows | tokens/row | HFU | MFU | forwarded tok/s | compilations "
                               "| compile stalls s | total s |\n" + "|---" * 10 + "|\n" + "\n".join(rows))
             elif name == "largest":
