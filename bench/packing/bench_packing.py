@@ -448,6 +448,9 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
             model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))
             flop_model = FlopModel.from_config(model.config)
             if mode != "eager":
+                # Every model's layers share one code object, and dynamo's recompile limit (8) counts
+                # per code object: without a reset, one mode's graphs would crowd out the next's.
+                torch._dynamo.reset()
                 compile_decoder_layers(model, dynamic=mode == "compiled")
             run_rows = [padded(r, bucket) for r in rows] if mode == "static" else rows
             tracker = CompileTracker(announce=False)
