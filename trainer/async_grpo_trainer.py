@@ -69,7 +69,7 @@ from trainer.sync.weight_sync import (
     checkpoint_manifest,
 )
 from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
-from trainer.training.compile import CompileTracker, compile_decoder_layers, use_compiled_step
+from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers, use_compiled_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.training.flops import FlopModel, matmul_dtype, peak_flops, row_flops
 from trainer.training.fsdp import enable_fsdp_on_cpu, is_sharded
@@ -248,8 +248,11 @@ class AsyncGRPOTrainer(Trainer):
         self._num_params = sum(p.numel() for p in model.parameters())
         self._flop_model = FlopModel.from_config(model.config)
         self._compile_tracker: CompileTracker | None = None
+        self._row_buckets: RowBuckets | None = None  # static shapes: tree rows padded to a bucket
         if use_compiled_step(args.compile_training_step, args.device):  # trainer.training.compile
-            compile_decoder_layers(model)
+            if args.compile_row_bucket is not None and args.packing == "tree":
+                self._row_buckets = RowBuckets(args.compile_row_bucket)
+            compile_decoder_layers(model, dynamic=self._row_buckets is None)
             self._compile_tracker = CompileTracker(announce=args.process_index == 0)
         self.model_id = str(model_id)
         self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
@@ -504,6 +507,8 @@ class AsyncGRPOTrainer(Trainer):
         model.train()
         t0 = self._synced_clock()
         row = inputs.row_for(self.accelerator.process_index).to(self.args.device)
+        if self._row_buckets is not None:
+            row = self._row_buckets(row)
         if self._router is not None:
             self._router.clear()
         with self.compute_loss_context_manager():

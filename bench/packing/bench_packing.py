@@ -403,27 +403,6 @@ def varying_rows(vocab: int, steps: int, budget: int, seed: int = 0, scale: int 
     return rows
 
 
-def padded(row: PackedRow, multiple: int) -> PackedRow:
-    """``row`` with pad tokens appended up to a multiple of ``multiple`` tokens: one chain of its own at
-    the trie's root (each pad token sees only the pads before it), nothing trained. Real tokens see
-    exactly what they saw before; the counts (``num_unique_tokens``, ``attention_cost``) stay the real
-    ones."""
-    n = row.input_ids.numel()
-    p = -n % multiple
-    if p == 0:
-        return row
-    device = row.input_ids.device
-    chain = torch.arange(p, device=device)
-    return dataclasses.replace(
-        row,
-        input_ids=torch.cat([row.input_ids, torch.zeros(p, dtype=torch.long, device=device)]),
-        position_ids=torch.cat([row.position_ids, chain]),
-        dfs_enter=torch.cat([row.dfs_enter, n + chain]),
-        dfs_leave=torch.cat([row.dfs_leave, torch.full((p,), n + p, device=device)]),
-        segment_ids=torch.cat([row.segment_ids, torch.full((p,), int(row.segment_ids.max()) + 1, device=device)]),
-    )
-
-
 COMPILE_MODES = ("eager", "compiled", "static")
 
 
@@ -452,7 +431,7 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
                 # per code object: without a reset, one mode's graphs would crowd out the next's.
                 torch._dynamo.reset()
                 compile_decoder_layers(model, dynamic=mode == "compiled")
-            run_rows = [padded(r, bucket) for r in rows] if mode == "static" else rows
+            run_rows = [r.padded_to_multiple(bucket) for r in rows] if mode == "static" else rows
             tracker = CompileTracker(announce=False)
             times, compiles = [], []
             for row in run_rows:

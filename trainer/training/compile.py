@@ -3,10 +3,14 @@
 On CUDA the eager step spends more time in unfused elementwise kernels (norms, activations, RoPE,
 casts) than in its matmuls at small widths; compiling each decoder layer fuses them
 (``nn.Module.compile``; every layer runs the same code, so the layers share their compiled graphs).
-Rows change length at every step, so the layers are compiled with ``dynamic=True``: the sequence
-length is symbolic from the first compile, and a new row length reuses the graph instead of
-recompiling (measured counts in ``bench/packing/README.md``). The fused LM-head loss is compiled
-separately (:mod:`trainer.training.logprobs`).
+Rows change length at every step. By default (``AsyncGRPOConfig.compile_row_bucket``) each row is
+padded up to a multiple of a bucket of tokens (:meth:`~trainer.training.packing.PackedRow.padded_to_multiple`)
+and the layers are compiled for static shapes: one compilation per bucket a run reaches, at most
+``token_budget / bucket``, and 3-6 points more hardware FLOP utilisation than one dynamic-shape graph
+on one H200 (``bench/packing/README.md``). With ``compile_row_bucket=None`` the layers are compiled
+with ``dynamic=True`` instead: the sequence length is symbolic from the first compile and any row
+length reuses the graph. The fused LM-head loss is compiled separately, with dynamic shapes
+(:mod:`trainer.training.logprobs`).
 
 :class:`CompileTracker` turns compilation into metrics instead of silent stalls: the seconds spent
 compiling and the number of compilations of each step go to ``perf/compile_s`` and
@@ -27,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.training.packing import PackedRow
 from trainer.training.tree_attention import unwrap_model
 
-__all__ = ["CompileTracker", "compile_decoder_layers", "decoder_layers"]
+__all__ = ["CompileTracker", "RowBuckets", "compile_decoder_layers", "decoder_layers", "use_compiled_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,30 @@ def compile_decoder_layers(model: nn.Module, dynamic: bool = True) -> int:
         # further from a float32 step than eager's. Rounding like eager makes compiled match eager.
         layer.compile(dynamic=dynamic, options={"emulate_precision_casts": True})
     return len(layers)
+
+
+class RowBuckets:
+    """Pads each row up to a multiple of ``bucket`` tokens for layers compiled with static shapes, and
+    keeps dynamo's ``recompile_limit`` above the number of buckets seen.
+
+    Every decoder layer runs the same code, and dynamo's limit (8 by default) counts graphs per code
+    object: past it, it runs that code eagerly from then on, silently slower. Static shapes make one
+    graph per bucket, so the limit grows with the buckets a run reaches (plus headroom for other
+    guards).
+    """
+
+    def __init__(self, bucket: int) -> None:
+        self.bucket = bucket
+        self.lengths: set[int] = set()
+
+    def __call__(self, row: PackedRow) -> PackedRow:
+        """``row`` padded to its bucket (:meth:`PackedRow.padded_to_multiple`)."""
+        padded = row.padded_to_multiple(self.bucket)
+        self.lengths.add(int(padded.input_ids.numel()))
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(int(dynamo_config.recompile_limit), len(self.lengths) + 4)
+        return padded
 
 
 class CompileTracker:

@@ -97,6 +97,31 @@ class PackedRow:
         }
         return dataclasses.replace(self, **moved)
 
+    def padded_to_multiple(self, multiple: int, pad_token_id: int = 0) -> PackedRow:
+        """The row with pad tokens appended up to a multiple of ``multiple`` forwarded tokens, so that a
+        step compiled for static shapes sees few lengths (``AsyncGRPOConfig.compile_row_bucket``).
+
+        The pads are one chain of their own at the trie's root: each sees only the pads before it,
+        and no real token sees a pad, so every real token's log-probs and gradients are unchanged.
+        Nothing new is trained, and the counts (``num_unique_tokens``, ``attention_cost``) stay the
+        real ones (metrics and FLOPs count what the row holds, not its padding).
+        """
+        n = self.input_ids.numel()
+        p = -n % multiple
+        if p == 0:
+            return self
+        device = self.input_ids.device
+        chain = torch.arange(p, device=device)  # (P,)
+        return dataclasses.replace(
+            self,
+            input_ids=torch.cat([self.input_ids, torch.full((p,), pad_token_id, device=device)]),
+            position_ids=torch.cat([self.position_ids, chain]),
+            dfs_enter=torch.cat([self.dfs_enter, n + chain]),  # pad i is an ancestor of pads i+1..P-1
+            dfs_leave=torch.cat([self.dfs_leave, torch.full((p,), n + p, device=device)]),
+            segment_ids=torch.cat([self.segment_ids, torch.full((p,), int(self.segment_ids.max()) + 1,
+                                                                device=device)]),
+        )
+
     @classmethod
     def empty(cls, pad_token_id: int = 0) -> PackedRow:
         """A row for a process that got no sample: one pad token, nothing trained.

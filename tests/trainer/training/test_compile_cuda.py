@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from trainer.records import TrainingSample, TrainingSequence
-from trainer.training.compile import CompileTracker, compile_decoder_layers
+from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers
 from trainer.training.loss import LossConfig, packed_grpo_loss
 from trainer.training.packing import PackedRow, build_row
 from trainer.training.tree_attention import enable_tree_attention
@@ -27,11 +27,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the compiled step is CUDA-only; run this file on the GPU machine")
 
 VOCAB = 8192
-# Compilations (stalls) of a fresh process over rows of 30 lengths: the decoder layers' one dynamic
-# graph, the fused head loss's two compiled passes and FlexAttention's kernels, each of the last
-# possibly recompiled once when the length first changes (dynamo's automatic dynamic shapes). On one
-# H200 the layers compiled once over 16 lengths (bench/packing/README.md, `compiled` section).
-MAX_COMPILATIONS = 8
+# Compilations (stalls) of a fresh process over rows of 30 lengths, besides the decoder layers' own:
+# the fused head loss's two compiled passes and FlexAttention's kernels, each possibly recompiled once
+# when the length first changes (dynamo's automatic dynamic shapes). The layers compile once with
+# dynamic shapes (one H200: once over 16 lengths, bench/packing/README.md), once per bucket with
+# static shapes.
+OTHER_COMPILATIONS = 7
+BUCKET = 256
 
 
 def _model() -> torch.nn.Module:
@@ -71,18 +73,20 @@ def _step(model: torch.nn.Module, row: PackedRow) -> tuple[float, dict[str, torc
     return float(loss.detach()), grads
 
 
-def test_compiled_step_matches_eager() -> None:
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_compiled_step_matches_eager(dynamic: bool) -> None:
     # bf16 rounding differs between the fused (compiled) and unfused (eager) kernels, so both are
     # measured against the same step in float32: the compiled step must be as close to it as eager is.
+    torch._dynamo.reset()
     eager = _model()
     reference = copy.deepcopy(eager).float()
     compiled = copy.deepcopy(eager)
-    assert compile_decoder_layers(compiled) == 4
+    assert compile_decoder_layers(compiled, dynamic=dynamic) == 4
     for seed in (0, 1):  # without eager's rounding (emulate_precision_casts) row 0 failed: 3x eager's error
         row = _row(seed)
         loss_r, grads_r = _step(reference, row)
         loss_e, grads_e = _step(eager, row)
-        loss_c, grads_c = _step(compiled, row)
+        loss_c, grads_c = _step(compiled, row if dynamic else RowBuckets(BUCKET)(row))
         assert loss_c == pytest.approx(loss_e, rel=2e-3, abs=1e-4)
         assert loss_e != 0.0
         for name, g in grads_r.items():
@@ -93,21 +97,25 @@ def test_compiled_step_matches_eager() -> None:
                 f"row {seed}, {name}: compiled is {err_compiled:.3g} from float32, eager {err_eager:.3g}")
 
 
-def test_thirty_row_lengths_compile_a_bounded_number_of_times() -> None:
-    torch._dynamo.reset()  # as in a fresh process: the other test's compilations must not be reused here
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static buckets"])
+def test_thirty_row_lengths_compile_a_bounded_number_of_times(dynamic: bool) -> None:
+    torch._dynamo.reset()  # as in a fresh process: the other tests' compilations must not be reused here
     model = _model()
-    compile_decoder_layers(model)
+    compile_decoder_layers(model, dynamic=dynamic)
+    buckets = RowBuckets(BUCKET)
     tracker = CompileTracker(announce=False)
     try:
         lengths = set()
         for seed in range(30):
             row = _row(100 + seed, groups=1 + seed % 3)
             lengths.add(row.num_unique_tokens)
-            _step(model, row)
+            _step(model, row if dynamic else buckets(row))
         _, count = tracker.take()
     finally:
         tracker.close()
-    print(f"{len(lengths)} row lengths: {count} compilations ({tracker.graphs} graphs), "
-          f"{tracker.total_s:.1f} s compiling")
+    layer_graphs = 1 if dynamic else len(buckets.lengths)
+    print(f"{'dynamic' if dynamic else f'buckets of {BUCKET}'}: {len(lengths)} row lengths"
+          f"{'' if dynamic else f' in {len(buckets.lengths)} buckets'}: {count} compilations "
+          f"({tracker.graphs} graphs), {tracker.total_s:.1f} s compiling")
     assert len(lengths) == 30
-    assert 1 <= count <= MAX_COMPILATIONS
+    assert 1 <= count <= layer_graphs + OTHER_COMPILATIONS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,17 @@ from transformers import (
 )
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-from tests.trainer.training.test_tree_attention import SMALL, VOCAB, assert_packed_matches_alone, random_sample
+from tests.trainer.training.test_tree_attention import (
+    SMALL,
+    VOCAB,
+    assert_packed_matches_alone,
+    random_groups,
+    random_sample,
+    tiny_qwen3,
+)
+from trainer.training.compile import RowBuckets
 from trainer.training.gated_deltanet import TreeLayout, tree_causal_conv, tree_gated_delta_rule
+from trainer.training.logprobs import forward_packed
 from trainer.training.packing import _Trie, build_row
 from trainer.training.tree_attention import enable_tree_attention
 
@@ -135,3 +145,38 @@ def test_tree_delta_rule_starts_each_segment_from_its_parents_state() -> None:
             use_qk_l2norm_in_kernel=True,
         )
         torch.testing.assert_close(out[path], ref[0], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next], ids=["qwen3", "qwen3_5", "qwen3_next"])
+def test_padding_a_row_to_its_bucket_changes_no_log_prob_or_gradient(build: Any) -> None:
+    """The compiled step pads rows to a bucket (``compile_row_bucket``): a chain of pads at the trie's
+    root, which no real token sees, in attention, the conv window or the recurrent state."""
+    model = enable_tree_attention(build())
+    row = build_row(random_groups(0))
+    padded = RowBuckets(64)(row)
+    n = row.input_ids.numel()
+    assert padded.input_ids.numel() % 64 == 0 and padded.input_ids.numel() > n
+    assert (padded.num_unique_tokens, padded.attention_cost) == (row.num_unique_tokens, row.attention_cost)
+    grads = []
+    for r in (row, padded):
+        model.zero_grad(set_to_none=True)
+        out = forward_packed(model, r, 0.7, chunk_size=16)
+        (out.logp.sum() + out.topk_logp[torch.isfinite(out.topk_logp)].sum()).backward()
+        grads.append((out.logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=1e-5)
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023
+
+
+def test_row_buckets_raise_the_recompile_limit_with_the_buckets_seen() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.recompile_limit
+    buckets = RowBuckets(4)
+    try:
+        for length in range(1, 60, 3):  # 15 buckets of 4 tokens
+            ids = list(range(length + 1))
+            buckets(build_row([random_sample(random.Random(length), ids, 1, 0)]))
+        assert len(buckets.lengths) == 15 and dynamo_config.recompile_limit >= 15
+    finally:
+        dynamo_config.recompile_limit = before
