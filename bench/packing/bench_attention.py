@@ -37,11 +37,6 @@ VARIANTS: dict[str, dict[str, object]] = {
                    "num_stages": 3},
     "bwd32x128w4": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
                     "num_stages": 3},
-    # Tiles of 64 (``flex_tree_mask(block_size=64)``): fewer masked-out pairs computed at branch points.
-    "tile64": {"TILE": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
-               "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3},
-    "tile64w8": {"TILE": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
-                 "BLOCK_N2": 64, "num_warps": 8, "num_stages": 2},
 }
 
 
@@ -86,7 +81,7 @@ def main() -> None:
     pairs = allowed_pairs(row.dfs_enter, row.dfs_leave)
     print(f"row: {n} tokens, {pairs / 1e6:.1f}M allowed pairs ({pairs / (n * (n + 1) / 2):.1%} of causal); "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    trees = {size: flex_tree_mask(row.dfs_enter, row.dfs_leave, block_size=size) for size in (64, 128)}
+    tree = flex_tree_mask(row.dfs_enter, row.dfs_leave)
     causal = create_block_mask(lambda b, h, q, k: q >= k, None, None, n, n, device="cuda")
     lines = []
     for heads in args.heads.split(","):
@@ -105,7 +100,6 @@ def main() -> None:
 
         for name in args.variants.split(","):
             options = dict(VARIANTS[name])
-            tree = trees[int(options.pop("TILE", 128))]  # type: ignore[call-overload]
             compiled = torch.compile(flex_attention, dynamic=False)
             try:
                 t0 = time.perf_counter()

@@ -85,7 +85,6 @@ def flex_tree_mask(
     dfs_leave: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     window: int | None = None,
-    block_size: int = FLEX_BLOCK_SIZE,
 ) -> BlockMask:
     """A FlexAttention :class:`BlockMask` for a depth-first row, built from its intervals.
 
@@ -95,10 +94,9 @@ def flex_tree_mask(
 
     With ``window`` (and the row's ``position_ids``), the mask also hides keys ``window`` or more
     positions up the query's path (a sliding-window layer, :func:`dense_window_mask`). Every tile
-    the tree reaches then stays partial, so the mask function runs on all of them. ``block_size`` is
-    the tile size (square tiles).
+    the tree reaches then stays partial, so the mask function runs on all of them.
     """
-    n, bs, device = dfs_enter.numel(), block_size, dfs_enter.device
+    n, bs, device = dfs_enter.numel(), FLEX_BLOCK_SIZE, dfs_enter.device
     if not torch.equal(dfs_enter, torch.arange(n, device=device)):
         raise ValueError("flex_tree_mask needs a depth-first (pre-order) layout: dfs_enter == arange(N)")
     nb = (n + bs - 1) // bs
