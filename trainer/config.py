@@ -254,7 +254,7 @@ class AsyncGRPOConfig(TrainingArguments):
     compile_training_step: bool = field(
         default=True,
         metadata={"help": "On CUDA, compile each decoder layer (regional torch.compile; row lengths: "
-                  "compile_row_bucket) for 1.4-1.9x faster steps; a step that meets a new shape waits for its "
+                  "compile_row_bucket) for 1.5-2x faster steps; a step that meets a new shape waits for its "
                   "compilation (about 10-20 s, perf/compile_s and perf/compile_count). CPU always runs eager. "
                   "False: eager everywhere (docs/distributed.md)."},
     )
