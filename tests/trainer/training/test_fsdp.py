@@ -57,6 +57,34 @@ def test_fsdp2_gets_an_explicit_version(tmp_path: Path) -> None:
     assert args.fsdp_plugin_args["fsdp_version"] == 2
 
 
+FSDP2_ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+use_cpu: true
+mixed_precision: "no"
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+"""
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_launch_with_an_fsdp2_config_file_shards_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The accelerate config file route (no ``fsdp`` field in the trainer's config): accelerate makes
+    a CPU run MULTI_CPU and leaves it unsharded; the trainer installs the file's FSDP2 plugin."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP2_ACCELERATE_CONFIG)
+    returncode, stderr = torchrun_two_ranks("accelerate_fsdp_probe.py", str(tiny_model_dir), str(tmp_path),
+                                            timeout_s=300, accelerate_config=config)
+    assert returncode == 0, stderr[-5000:]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"fsdp": True, "sharded": True}
+
+
 # ------------------------------------------------------------------------------ the real run
 @pytest.fixture(scope="module")
 def fsdp_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
