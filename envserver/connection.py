@@ -15,8 +15,6 @@ request already ran), never the reply to another id.
 from __future__ import annotations
 
 import asyncio
-import json.decoder
-import json.encoder
 import logging
 import math
 import time
@@ -30,9 +28,6 @@ from envserver.sessions import Refused, Session, SessionBusy, SessionTable
 from sdk import protocol
 from sdk.loading import did_you_mean
 from sdk.protocol import CLOSE_SESSION_ENDED, ErrorCode, Op, error_reply, ok_reply
-
-_scan = json.decoder.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__, not in typeshed
-_encode_string = json.encoder.encode_basestring  # what protocol.dumps writes for a str (ensure_ascii off)
 
 logger = logging.getLogger("envserver.connection")
 
@@ -161,7 +156,7 @@ class Connection:
 
     async def _request(self, session: Session, text: str) -> str:
         try:
-            frame = _loads(text)
+            frame = protocol.loads(text)
         except ValueError as exc:
             return self._frame_error(None, ErrorCode.BAD_FRAME, f"not JSON: {exc}")
         except RecursionError:
@@ -201,7 +196,7 @@ class Connection:
         started = time.perf_counter()
         reply: str | None = None
         try:
-            reply = _ok_reply(rid, await handler(self, session, frame))
+            reply = ok_reply(rid, await handler(self, session, frame))
             outcome = "ok"
         except _RequestError as exc:
             reply, outcome = _error_reply(rid, exc.code, str(exc)), exc.code.value
@@ -352,20 +347,3 @@ def _wire_text(message: str) -> str:
 def _error_reply(rid: int | None, code: ErrorCode, message: str) -> str:
     """A failed reply whose message is safe to encode (it may echo what the peer sent)."""
     return error_reply(rid, code, _wire_text(message))
-
-
-def _loads(text: str) -> Any:
-    """``protocol.loads(text)``, without its Python wrappers (~1 us of a call) when the text is one
-    JSON value and nothing else; anything else (whitespace around it, errors) goes through it."""
-    try:
-        value, end = _scan(text, 0)
-    except Exception:  # not JSON, or not only JSON: its error as protocol.loads words it
-        return protocol.loads(text)
-    return value if end == len(text) else protocol.loads(text)
-
-
-def _ok_reply(rid: int, result: Any) -> str:
-    """``ok_reply(rid, result)``; a text result (every call's) is formatted directly, ~3 us less."""
-    if type(result) is str:
-        return f'{{"id":{rid},"ok":true,"result":{_encode_string(result)}}}'
-    return ok_reply(rid, result)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 import json
+import json.decoder
+import json.encoder
 from typing import Any
 
 from sdk.exceptions import (
@@ -97,8 +99,25 @@ def dumps(frame: dict[str, Any]) -> str:
     return json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
 
 
-loads = json.loads
-"""Decode JSON text (``json.loads``); raises ``ValueError`` on malformed input."""
+_scan = json.decoder.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__, not in typeshed
+_encode_string = json.encoder.encode_basestring  # what dumps writes for a str (ensure_ascii off)
+
+
+def loads(text: str | bytes) -> Any:
+    """Decode JSON text as ``json.loads`` does; raises ``ValueError`` on malformed input.
+
+    Every frame of a session goes through here, so a text that is one JSON value and nothing else is
+    scanned directly, without ``json.loads``' Python wrappers (~1 us of a call); anything else
+    (bytes, whitespace around the value, errors) goes through ``json.loads``, which words the error."""
+    if isinstance(text, str):
+        try:
+            value, end = _scan(text, 0)
+        except Exception:  # not JSON: json.loads raises its own error below
+            pass
+        else:
+            if end == len(text):
+                return value
+    return json.loads(text)
 
 
 def error_payload(code: ErrorCode, message: str) -> dict[str, str]:
@@ -112,7 +131,10 @@ def error_reply(request_id: int | None, code: ErrorCode, message: str) -> str:
 
 
 def ok_reply(request_id: int, result: Any) -> str:
-    """A successful reply frame, encoded."""
+    """A successful reply frame, encoded (a text result, every tool call's, formatted directly: ~3 us
+    less than encoding the frame's dict)."""
+    if type(result) is str:
+        return f'{{"id":{request_id},"ok":true,"result":{_encode_string(result)}}}'
     return dumps({"id": request_id, "ok": True, "result": result})
 
 

@@ -421,7 +421,6 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
     lines = []
     for name in names:
         spec = QWEN3.get(name, TINY)  # any other name: the tiny model (--tiny)
-        flop_model = None
         rows = [r.to(device) for r in varying_rows(spec["vocab_size"], steps, budget, scale=scale)]
         for mode in modes:
             model = enable_tree_attention(make_model(spec, torch.bfloat16, device, checkpointing=True))

@@ -69,6 +69,7 @@ def torch_varlen_rule(
     return out[valid], final
 
 
+@functools.cache  # asked at every call of every Gated DeltaNet layer
 def _fla_installed() -> bool:
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
@@ -77,6 +78,7 @@ def _fla_installed() -> bool:
     return True
 
 
+@functools.cache
 def _fla_guard_applies() -> bool:
     """Whether fla-core refuses its gated backward here (Hopper, 3.4.0 <= Triton < 3.7.1)."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
@@ -97,9 +99,9 @@ def _fla_guard_lifted() -> Iterator[None]:
 
 
 @functools.cache
-def _guard_lifted_function() -> Any:
+def _guard_lifted_function() -> tuple[Any, inspect.Signature]:
     """fla's autograd function with its backward run under :func:`_fla_guard_lifted` (same saved
-    tensors, so gradient checkpointing frees them as it frees fla's own)."""
+    tensors, so gradient checkpointing frees them as it frees fla's own), and its forward's signature."""
     from fla.ops.gated_delta_rule.chunk import ChunkGatedDeltaRuleFunction
 
     class _GuardLiftedRule(ChunkGatedDeltaRuleFunction):  # type: ignore[misc]
@@ -108,7 +110,7 @@ def _guard_lifted_function() -> Any:
             with _fla_guard_lifted():
                 return ChunkGatedDeltaRuleFunction.backward(ctx, *grads)
 
-    return _GuardLiftedRule
+    return _GuardLiftedRule, inspect.signature(inspect.unwrap(_GuardLiftedRule.forward))
 
 
 def _fla_varlen(
@@ -123,9 +125,9 @@ def _fla_varlen(
         "use_qk_l2norm_in_kernel": True,
     }
     if lift_guard:
-        function = _guard_lifted_function()
+        function, signature = _guard_lifted_function()
         # By name, so that a reordered signature in another fla release cannot shift the arguments.
-        bound = inspect.signature(inspect.unwrap(function.forward)).bind_partial(None, **kwargs)
+        bound = signature.bind_partial(None, **kwargs)
         bound.apply_defaults()
         out, final = function.apply(*bound.args[1:])
     else:

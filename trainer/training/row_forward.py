@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from trainer.training.packing import PackedRow
-from trainer.training.tree_attention import TREE_ATTENTION, packed_hidden_states, unwrap_model
+from trainer.training.tree_attention import (
+    TREE_ATTENTION,
+    decoder_hidden_states,
+    packed_hidden_states,
+    unwrap_model,
+)
 
 __all__ = ["SampleBatchLayout", "forwarded_positions", "per_sample_hidden_states", "row_hidden_states",
            "uses_tree_attention"]
@@ -64,20 +69,8 @@ def per_sample_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
     input_ids = torch.zeros(size, dtype=torch.long, device=device).index_copy_(0, layout.flat_index, row.input_ids)
     mask = torch.zeros(size, dtype=torch.long, device=device).index_fill_(0, layout.flat_index, 1)
     positions = torch.arange(layout.length, device=device).expand(layout.batch_size, -1)  # (B, L)
-    core = unwrap_model(model)
-    captured: list[torch.Tensor] = []
-    hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
-    try:
-        model(
-            input_ids=input_ids.view(layout.batch_size, layout.length),
-            attention_mask=mask.view(layout.batch_size, layout.length),
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=row.pred_index[:0],
-        )
-    finally:
-        hook.remove()
-    hidden = captured[0]  # (B, L, D)
+    shape = (layout.batch_size, layout.length)
+    hidden = decoder_hidden_states(model, input_ids.view(shape), positions, mask.view(shape))  # (B, L, D)
     return hidden.reshape(size, hidden.shape[-1])[layout.flat_index]  # (N, D)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "check_softcap_device",
     "check_tree_attention_support",
     "dense_tree_mask",
+    "decoder_hidden_states",
     "dense_window_mask",
     "enable_tree_attention",
     "flex_tree_mask",
@@ -349,20 +350,34 @@ def unwrap_model(model: nn.Module) -> PreTrainedModel:
     return cast(PreTrainedModel, model)
 
 
-def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
-    """Run ``model`` on a packed row and return the decoder's final hidden states (N, D).
+def decoder_hidden_states(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          attention_mask: object) -> torch.Tensor:
+    """Call ``model`` on a batch and return its decoder's final hidden states (B, L, D).
 
     The call goes through ``model(...)`` itself, so wrappers (DDP, PEFT) see a normal forward
     (DDP only synchronises gradients of forwards it ran); ``logits_to_keep`` is empty, so the LM
     head computes nothing there, and a hook on the decoder collects its output.
+    """
+    captured: list[torch.Tensor] = []
+    decoder = unwrap_model(model).get_decoder()
+    hook = decoder.register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=input_ids.new_empty(0))
+    finally:
+        hook.remove()
+    return captured[0]
+
+
+def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
+    """Run ``model`` on a packed row and return the decoder's final hidden states (N, D)
+    (:func:`decoder_hidden_states`).
 
     ``row`` must be on the model's device and the model switched by :func:`enable_tree_attention`.
     """
     core = unwrap_model(model)
     if core.config._attn_implementation != TREE_ATTENTION:
         raise ValueError(f"{type(core).__name__} does not use tree attention: call enable_tree_attention(model) first")
-    captured: list[torch.Tensor] = []
-    hook = core.get_decoder().register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
     mask: object = tree_mask(row)
     config = core.config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None):  # here, not per layer: no device query in a compiled graph
@@ -377,14 +392,4 @@ def packed_hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
         masks["sliding_attention"] = tree_mask(row, config.sliding_window)
     if len(masks) > 1:
         mask = masks
-    try:
-        model(
-            input_ids=row.input_ids[None],
-            position_ids=row.position_ids[None],
-            attention_mask=mask,
-            use_cache=False,
-            logits_to_keep=row.pred_index[:0],
-        )
-    finally:
-        hook.remove()
-    return captured[0][0]
+    return decoder_hidden_states(model, row.input_ids[None], row.position_ids[None], mask)[0]
