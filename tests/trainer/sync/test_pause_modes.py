@@ -36,12 +36,29 @@ def _load(base_url: str) -> ServerLoad:
         return server_load(parse_prometheus(r.read().decode()))
 
 
-def _long_completion(base_url: str, model: str, i: int) -> int:
-    body = {"model": model, "prompt": [5, 6, 7, 8 + i], "max_tokens": LONG, "ignore_eos": True, "seed": i}
+def _streamed_completions(base_url: str, model: str, started: threading.Event) -> list[int]:
+    """Stream ``REQUESTS`` long completions of one prompt; set ``started`` at the first token.
+
+    One request with ``n=REQUESTS`` puts every sequence into the engine in the same step, so all are
+    running together and each has ~a thousand tokens to go when the first one streams. (Six separate
+    requests entered one by one as the API server got to them: under load the first had all but
+    finished when the last began. And the ``/metrics`` running gauge is no start signal: under load
+    the API server answered it late, once as late as the thousandth token.) Returns each
+    sequence's number of streamed tokens.
+    """
+    body = {"model": model, "prompt": [5, 6, 7, 8], "n": REQUESTS, "max_tokens": LONG, "ignore_eos": True,
+            "seed": 0, "logprobs": 0, "stream": True}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    tokens = [0] * REQUESTS
     with urllib.request.urlopen(req, timeout=300) as r:
-        return int(json.load(r)["usage"]["completion_tokens"])
+        for line in r:
+            data = line.decode().removeprefix("data:").strip()
+            if data and data != "[DONE]":
+                for choice in json.loads(data)["choices"]:
+                    tokens[choice["index"]] += len(choice["logprobs"]["tokens"])
+                    started.set()
+    return tokens
 
 
 def _watch_paused(admin: VLLMAdminClient, seen: list[bool], stop: threading.Event) -> None:
@@ -57,15 +74,12 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
     sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir), pause_mode=mode)
     weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
     model = admin.request("GET", "/v1/models")["data"][0]["id"]
-    with ThreadPoolExecutor(REQUESTS) as pool:
-        futures = [pool.submit(_long_completion, base, model, i) for i in range(REQUESTS)]
-        # Sync as soon as requests hold KV blocks (waiting for all of them races their end on a fast
-        # machine); the ones running then are what the pause mode may preempt.
-        deadline = time.monotonic() + 120
-        while (load := _load(base)).running < 1:
-            assert time.monotonic() < deadline, "no request ever ran"
-            time.sleep(0.02)
-        before, running = load.preemptions, load.running
+    before = _load(base).preemptions
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        completions = pool.submit(_streamed_completions, base, model, started)
+        while not started.wait(timeout=1):  # the first token: every sequence is running
+            assert not completions.done(), completions.exception()
         paused: list[bool] = []
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_paused, args=(VLLMAdminClient(base, timeout_s=30), paused, stop))
@@ -75,12 +89,14 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
         finally:
             stop.set()
             watcher.join()
+        # Every sequence streamed before the sync; still going after it, each was running through it.
+        running = 0 if completions.done() else REQUESTS
         if mode != "none":  # without a pause generation goes on, and a slow sync may outlast every request;
             # that requests were running at its start and the server never paused is what "none" shows
-            assert not any(f.done() for f in futures), "a request finished during the sync: the test proves nothing"
+            assert running, "the requests finished during the sync: the test proves nothing"
         if mode == "none":  # (a pause of the other modes is too short to be seen by every poll)
             assert paused and not any(paused), f"the server paused during the sync: {paused}"
-        lengths = [f.result(timeout=300) for f in futures]
+        lengths = completions.result(timeout=300)
     assert lengths == [LONG] * REQUESTS
     # The engine publishes its counters with a later step's stats: read them once every request is done.
     deadline = time.monotonic() + 30
