@@ -10,7 +10,8 @@ head dim 128, GQA) on the row ``bench_packing`` trains (4 groups of prompt 1000 
 13,600 tokens) and reports TFLOP/s over the *allowed* query-key pairs (4 x d FLOPs per pair forward,
 10 x d backward: the five products of the flash backward), for each set of ``kernel_options``
 (``--variants``), against the same FlexAttention on a plain causal mask and cuDNN/flash SDPA (causal)
-of the same length: what the hardware gives attention of this size.
+of the same length: what the hardware gives attention of this size; and the tree mask with the
+mask function the trainer had before (three index reads per element against one).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from bench.packing.bench_packing import Shape, grpo_samples, plan
 from trainer.training.tree_attention import flex_tree_mask
@@ -60,6 +61,22 @@ def allowed_pairs(enter: torch.Tensor, leave: torch.Tensor) -> int:
     return int((leave - enter).sum())
 
 
+def three_index_mask(tree: BlockMask, enter: torch.Tensor, leave: torch.Tensor) -> BlockMask:
+    """``tree``'s blocks with the mask function ``flex_tree_mask`` had before: the interval test
+    ``enter[kv] <= enter[q] < leave[kv]`` reading three indices per element instead of one."""
+    n = enter.numel()
+    pad = -n % tree.BLOCK_SIZE[0]
+    enter = torch.cat([enter, enter.new_full((pad,), n + pad)])
+    leave = torch.cat([leave, leave.new_zeros(pad)])
+
+    def mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (enter[kv] <= enter[q]) & (enter[q] < leave[kv])
+
+    return BlockMask.from_kv_blocks(tree.kv_num_blocks, tree.kv_indices, tree.full_kv_num_blocks,
+                                    tree.full_kv_indices, BLOCK_SIZE=tree.BLOCK_SIZE, mask_mod=mod,
+                                    seq_lengths=(n, n))
+
+
 def fwd_bwd(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             grad: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
@@ -82,6 +99,7 @@ def main() -> None:
     print(f"row: {n} tokens, {pairs / 1e6:.1f}M allowed pairs ({pairs / (n * (n + 1) / 2):.1%} of causal); "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     tree = flex_tree_mask(row.dfs_enter, row.dfs_leave)
+    three_index = three_index_mask(tree, row.dfs_enter, row.dfs_leave)
     causal = create_block_mask(lambda b, h, q, k: q >= k, None, None, n, n, device="cuda")
     lines = []
     for heads in args.heads.split(","):
@@ -115,6 +133,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001  (an option set this torch refuses: keep the others)
                 print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             torch._dynamo.reset()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        report("flex tree, three-index mask function (before 2026-12-03)",
+               timed(fwd_bwd(lambda q, k, v: compiled(q, k, v, block_mask=three_index, enable_gqa=True), q, k, v,
+                             grad), args.repeats), flops_tree)
+        torch._dynamo.reset()
         compiled = torch.compile(flex_attention, dynamic=False)
         report("flex causal, default", timed(fwd_bwd(lambda q, k, v: compiled(q, k, v, block_mask=causal,
                                                                                   enable_gqa=True), q, k, v, grad),

@@ -52,6 +52,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.training.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    FUSED_CHUNK_SIZE,
     forward_packed,
     head_loss_from_hidden,
     logprobs_from_hidden,
@@ -134,11 +136,12 @@ def sync_time(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
-def train_step(model: Qwen3ForCausalLM, row: PackedRow, chunk_size: int = 512, fused: bool = True) -> None:
+def train_step(model: Qwen3ForCausalLM, row: PackedRow, chunk_size: int | None = None, fused: bool = True) -> None:
+    """Loss, backward and zeroed gradients of one row; ``chunk_size=None``: the trainer's default of each path."""
     if fused:
-        loss, _ = packed_grpo_loss(model, row, 1.0, LossConfig(), row.num_trained, chunk_size)
+        loss, _ = packed_grpo_loss(model, row, 1.0, LossConfig(), row.num_trained, chunk_size or FUSED_CHUNK_SIZE)
     else:
-        logps = forward_packed(model, row, temperature=1.0, chunk_size=chunk_size)
+        logps = forward_packed(model, row, temperature=1.0, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
         loss, _ = grpo_loss(logps, row, LossConfig(), num_trained_global=row.num_trained)
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -352,9 +355,10 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
             model.zero_grad(set_to_none=True)
 
         variants = [("model, no logits", no_logits), ("full logits", full_logits)]
-        chunks = (256, 512, 1024) if checkpointing else (512,)
+        chunks = (256, 512, 1024) if checkpointing else (DEFAULT_CHUNK_SIZE,)
+        fused_chunks = (512, 1024, 2048, 4096) if checkpointing else (FUSED_CHUNK_SIZE,)
         variants += [(f"chunked ({c})", lambda c=c: train_step(model, row, c, fused=False)) for c in chunks]
-        variants += [(f"fused ({c})", lambda c=c: train_step(model, row, c)) for c in chunks]
+        variants += [(f"fused ({c})", lambda c=c: train_step(model, row, c)) for c in fused_chunks]
         no_logits()  # compile for this row length
         base = None
         for name, fn in variants:

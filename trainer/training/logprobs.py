@@ -31,12 +31,20 @@ from trainer.training.row_forward import row_hidden_states
 from trainer.training.tree_attention import unwrap_model
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "final_logit_softcap", "forward_packed", "head_loss_from_hidden",
-    "logprobs_from_hidden",
+    "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE", "RowLogProbs", "TokenLoss", "final_logit_softcap", "forward_packed",
+    "head_loss_from_hidden", "logprobs_from_hidden",
 ]
 
 DEFAULT_CHUNK_SIZE = 512
-"""Trained tokens per LM-head chunk: a 151,936-word vocabulary makes 0.3 GB of float32 logits."""
+"""Trained tokens per LM-head chunk of :func:`logprobs_from_hidden`: a 151,936-word vocabulary makes
+0.3 GB of float32 logits, and the backward's recomputation of a chunk raises the peak with its size."""
+
+FUSED_CHUNK_SIZE = 2048
+"""Trained tokens per LM-head chunk of :func:`head_loss_from_hidden`. Python issues about 30 small
+operations per chunk; at 512 the GPU waited on them (the compiled Qwen3-0.6B step at 35 % HFU
+against 47 % at 2048, one H200: ``bench/packing/bench_gaps.py``). A chunk's bf16 logits and their
+gradient (2 x 0.6 GB at 151,936 words) live only during the forward, while checkpointed activations
+are small, so the step's peak memory barely moves (``bench/packing/README.md``)."""
 
 
 @dataclass
@@ -332,7 +340,7 @@ def head_loss_from_hidden(
     temperature: float,
     token_loss: TokenLoss,
     divisor: float,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = FUSED_CHUNK_SIZE,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, RowLogProbs]:
     """``sum_t token_loss_t / divisor`` over ``row``'s trained tokens, its gradient formed in the forward.

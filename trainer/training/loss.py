@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainer.training.logprobs import (
-    DEFAULT_CHUNK_SIZE,
+    FUSED_CHUNK_SIZE,
     RowLogProbs,
     final_logit_softcap,
     head_loss_from_hidden,
@@ -131,7 +131,7 @@ def packed_grpo_loss(
     temperature: float,
     cfg: LossConfig,
     num_trained_global: int,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = FUSED_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``grpo_loss(forward_packed(model, row, temperature), row, cfg, num_trained_global)``, fused.
 
