@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="0.6B")
     parser.add_argument("--bucket", type=int, default=1024)
-    parser.add_argument("--chunks", default="512,1024,2048,4096", help="LM-head chunk sizes to time")
+    parser.add_argument("--chunks", default="512,1024,1536,2048,4096", help="LM-head chunk sizes to time")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 

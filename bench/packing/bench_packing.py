@@ -356,7 +356,7 @@ def memory(spec: dict, tokens: int, device: str) -> list[str]:
 
         variants = [("model, no logits", no_logits), ("full logits", full_logits)]
         chunks = (256, 512, 1024) if checkpointing else (DEFAULT_CHUNK_SIZE,)
-        fused_chunks = (512, 1024, 2048, 4096) if checkpointing else (FUSED_CHUNK_SIZE,)
+        fused_chunks = (512, 1024, 1536, 2048, 4096) if checkpointing else (FUSED_CHUNK_SIZE,)
         variants += [(f"chunked ({c})", lambda c=c: train_step(model, row, c, fused=False)) for c in chunks]
         variants += [(f"fused ({c})", lambda c=c: train_step(model, row, c)) for c in fused_chunks]
         no_logits()  # compile for this row length
@@ -411,12 +411,14 @@ COMPILE_MODES = ("eager", "compiled", "static")
 
 
 def compiled_step(names: list[str], steps: int, budget: int, device: str, scale: int = 1,
-                  modes: tuple[str, ...] = ("eager", "compiled"), bucket: int = 1024) -> list[str]:
+                  modes: tuple[str, ...] = ("eager", "compiled"), bucket: int = 1024,
+                  chunk: int | None = None) -> list[str]:
     """Eager and compiled (``compile_decoder_layers``) fused steps over the same ``varying_rows``,
     no warm-up per length: hardware FLOP utilisation (HFU: recomputation included, ``step_flops``)
     and MFU (``trainer.training.flops``) against the measured bf16 peak; compile stalls counted.
     ``static`` (a mode to compare): layers compiled with static shapes, rows padded up to a multiple
-    of ``bucket`` tokens (one compilation per bucket; the padding's FLOPs are not counted)."""
+    of ``bucket`` tokens (one compilation per bucket; the padding's FLOPs are not counted). ``chunk``:
+    the LM-head chunk (``None``: the trainer's)."""
     from trainer.training.compile import CompileTracker, compile_decoder_layers
     from trainer.training.flops import FlopModel, row_flops
 
@@ -438,7 +440,7 @@ def compiled_step(names: list[str], steps: int, budget: int, device: str, scale:
             tracker = CompileTracker(announce=False)
             times, compiles = [], []
             for row in run_rows:
-                times.append(sync_time(lambda row=row: train_step(model, row), device))
+                times.append(sync_time(lambda row=row: train_step(model, row, chunk), device))
                 compiles.append(tracker.take())
             tracker.close()
             print(f"  {name} {mode}: {tracker.total_count} compilations, {tracker.graphs} graphs, "
@@ -532,6 +534,8 @@ def main() -> None:
     parser.add_argument("--profile-compiled", action="store_true", help="profile the compiled step")
     parser.add_argument("--modes", default="eager,compiled", help=f"steps of the compiled section: {COMPILE_MODES}")
     parser.add_argument("--bucket", type=int, default=1024, help="row-length multiple of the 'static' mode")
+    parser.add_argument("--chunk", type=int, default=None, help="LM-head chunk of the compiled section "
+                        "(default: the trainer's, FUSED_CHUNK_SIZE)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sections = args.sections.split(",")
@@ -563,7 +567,7 @@ def main() -> None:
                               + "\n".join(rows))
             elif name == "compiled":
                 rows = compiled_step(args.models.split(","), args.steps, budget, device, scale,
-                                     tuple(args.modes.split(",")), args.bucket)
+                                     tuple(args.modes.split(",")), args.bucket, args.chunk)
                 tables.append("| Qwen3 | step | rows | tokens/row | HFU | MFU | forwarded tok/s | compilations "
                               "| compile stalls s | total s |\n" + "|---" * 10 + "|\n" + "\n".join(rows))
             elif name == "largest":

@@ -39,12 +39,12 @@ DEFAULT_CHUNK_SIZE = 512
 """Trained tokens per LM-head chunk of :func:`logprobs_from_hidden`: a 151,936-word vocabulary makes
 0.3 GB of float32 logits, and the backward's recomputation of a chunk raises the peak with its size."""
 
-FUSED_CHUNK_SIZE = 2048
+FUSED_CHUNK_SIZE = 1536
 """Trained tokens per LM-head chunk of :func:`head_loss_from_hidden`. Python issues about 30 small
-operations per chunk; at 512 the GPU waited on them (the compiled Qwen3-0.6B step at 35 % HFU
-against 47 % at 2048, one H200: ``bench/packing/bench_gaps.py``). A chunk's bf16 logits and their
-gradient (2 x 0.6 GB at 151,936 words) live only during the forward, while checkpointed activations
-are small, so the step's peak memory barely moves (``bench/packing/README.md``)."""
+operations per chunk; at 512 the GPU of a compiled Qwen3-0.6B step waited on them (36-45 % HFU over
+four runs on one H200, against 45.5-48.9 % at 1,536: ``bench/packing/README.md``). A chunk's bf16
+logits and their gradient (2 x 0.47 GB at 151,936 words) live only during the forward, while the
+checkpointed activations are small: a 16k-token row's peak grows from 3.67 to 3.84 GiB."""
 
 
 @dataclass

@@ -106,9 +106,7 @@ def flex_tree_mask(
     leave = torch.cat([dfs_leave, torch.zeros(padded - n, device=device, dtype=dfs_leave.dtype)])
 
     def tree_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        # enter == arange: the interval test reads one index. It runs on every element of a partial
-        # tile; with three index reads (enter[q], enter[kv], leave[kv]) the compiled 0.6B step spent
-        # 3 % more kernel time (bench/packing/bench_attention.py).
+        # enter == arange, so the interval test enter[kv] <= enter[q] < leave[kv] reads one index.
         return (kv_idx <= q_idx) & (q_idx < leave[kv_idx])
 
     mask_mod = tree_mod
