@@ -17,10 +17,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import pickle
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -50,29 +48,13 @@ from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_ser
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
-from trainer.sync.background import BackgroundSync
-from trainer.sync.gather import PolicyWeights, adapter_state_dict
-from trainer.sync.lora_sync import (
-    LORA_CACHE_DIR,
-    LoRAAdapterSync,
-    adapter_rank,
-    adapter_sync_obstacle,
-    check_lora_limits,
-    server_lora_config,
-)
-from trainer.sync.weight_sync import (
-    SharedMemorySender,
-    SyncTimings,
-    VLLMAdminClient,
-    WeightSender,
-    WeightSynchronizer,
-    checkpoint_manifest,
-)
+from trainer.sync.policy_sync import PolicySync
+from trainer.sync.weight_sync import VLLMAdminClient
 from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
 from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers, use_compiled_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.training.flops import FlopModel, matmul_dtype, peak_flops, row_flops
-from trainer.training.fsdp import enable_fsdp_on_cpu, is_sharded
+from trainer.training.fsdp import enable_fsdp_on_cpu
 from trainer.training.loss import (
     LossConfig,
     loss_metrics,
@@ -139,7 +121,7 @@ class _PipelineCallback(TrainerCallback):
         self.trainer._step_groups = set()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._wait_for_sync(block=False)  # the optimizer is about to change the weights it reads
+        self.trainer._policy_sync.wait(block=False)  # the optimizer is about to change the weights it reads
         self._opt_start = time.perf_counter()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -149,14 +131,14 @@ class _PipelineCallback(TrainerCallback):
         t = self.trainer
         if state.global_step % args.weight_sync_steps == 0:
             t._requested_version += 1  # not _policy_version + 1: an overlapped sync publishes it later
-            t._sync_weights(t._requested_version, overlap=True)
+            t._policy_sync.sync(t._requested_version, overlap=True)
         t._end_of_step(time.perf_counter() - self._step_start)
         self._step_start = time.perf_counter()
         if not t._explicit_max_steps and t._step_feed_state.epoch_done:
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._wait_for_sync()  # the last step's sync: its error is the run's
+        self.trainer._policy_sync.wait()  # the last step's sync: its error is the run's
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -272,11 +254,7 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=0, policy_version=0)
         self._policy_version = 0
         self._requested_version = 0  # the version of the last sync started (every rank counts them)
-        self._syncer: WeightSynchronizer | None = None
-        self._background_sync: BackgroundSync | None = None  # syncs overlapping the next step
-        self._sync_wait_s = 0.0  # this step's time blocked on weight syncs (perf/weight_sync_wait_s)
         self._allowance: StalenessAllowance | None = None  # rank 0: the worker's staleness allowance
-        self._adapter_sync: LoRAAdapterSync | None = None  # adapter-only LoRA sync (rank 0, --enable-lora)
         self._resume_state: dict[str, Any] = {}
         self._step_fwd_bwd_s = self._step_fwd_s = self._step_flops = 0.0
         self._step_groups: set[int] = set()  # distinct groups trained in the step (every row, every rank)
@@ -286,6 +264,8 @@ class AsyncGRPOTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=None, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
         self.add_callback(_PipelineCallback(self))
+        self._policy_sync = PolicySync(self.accelerator, lambda: self.model, self.model_id, self.args,
+                                      self._frozen_weights, self.metrics, self._publish_version)
         self.loss_config = LossConfig(epsilon=args.epsilon, epsilon_high=args.epsilon_high,
                                       score_centering=args.score_centering,
                                       clip_min=args.vllm_importance_sampling_clip_min,
@@ -323,15 +303,11 @@ class AsyncGRPOTrainer(Trainer):
             self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._background_sync is not None:
-            self._background_sync.close()
-            self._background_sync = None
+        self._policy_sync.stop_overlapped()
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-        if self._adapter_sync is not None and self.is_world_process_zero():  # after the worker: no rollout
-            self._adapter_sync.close()                                          # still asks for an adapter
-            self._adapter_sync = None
+        self._policy_sync.close()  # after the worker: no rollout still asks for an adapter
         if self.feed is not None:
             self.feed.close()
             self.feed = None
@@ -377,8 +353,7 @@ class AsyncGRPOTrainer(Trainer):
         if world > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
-                if self.is_fsdp_enabled:  # every rank gathers in the first sync (_start_sharded)
-                    self._adapter_sync = self._make_adapter_sync(admin)  # only to know the sync mode
+                self._policy_sync.connect(admin, sharded=self.is_fsdp_enabled)  # FSDP: it gathers with rank 0
                 self.feed.wait_ready()
                 return self.feed
         max_model_len, kv_tokens = self._server_limits(admin)
@@ -395,15 +370,10 @@ class AsyncGRPOTrainer(Trainer):
         channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
                                          epoch_size=0 if self.rollout_dataset is None or streaming
                                          else len(self.rollout_dataset))
-        self._adapter_sync = self._make_adapter_sync(admin)
-        if self._adapter_sync is None:
-            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self._manifest(),
-                                              pause_mode=args.weight_sync_pause)
-            if self._syncer.pause_mode == "none" and not self.is_fsdp_enabled:  # FSDP: every rank gathers
-                self._background_sync = BackgroundSync()
+        self._policy_sync.connect(admin, sharded=self.is_fsdp_enabled)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
-        if (version > 0 or self._adapter_sync is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
-            self._sync_weights(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
+        if (version > 0 or self._policy_sync.adapter is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
+            self._policy_sync.sync(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
         tokenizer = self.processing_class
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         loop_kwargs = dict(
@@ -411,7 +381,7 @@ class AsyncGRPOTrainer(Trainer):
             processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
             environment_factory=self.environment_factory, dataset_start_index=start, dataset_skip_positions=done,
             max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
-            lora_name=self._adapter_sync.lora_name if self._adapter_sync is not None else None,
+            lora_name=self._policy_sync.adapter.lora_name if self._policy_sync.adapter is not None else None,
             served_model=server.model, candidates=candidates,
         )
         loop_kwargs.update(self.rollout_loop_kwargs())
@@ -439,49 +409,14 @@ class AsyncGRPOTrainer(Trainer):
         which every rank gathers, and then the rollout worker's start happen here, as training begins."""
         if not self.is_fsdp_enabled:
             return
-        if self._policy_version > 0 or self._adapter_sync is not None:
-            self._sync_weights(self._policy_version, barrier=False)
+        if self._policy_version > 0 or self._policy_sync.adapter is not None:
+            self._policy_sync.sync(self._policy_version, barrier=False)
         if self.worker is not None:
             self.worker.start()
 
     def rollout_loop_kwargs(self) -> dict[str, Any]:
         """Extra constructor arguments of ``loop_cls`` (a subclass's own; they must pickle). Default: none."""
         return {}
-
-    def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:
-        """The weight-transfer backend matching the server (``toolgym_shm`` on CPU, NCCL on GPU)."""
-        if torch.cuda.is_available():
-            from trainer.sync.weight_sync import NCCLSender
-
-            world = admin.request("GET", "/get_world_size")
-            size = int(world.get("world_size", 1)) if isinstance(world, dict) else int(world)
-            port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216"))
-            return NCCLSender(admin, os.environ.get("TOOLGYM_WEIGHT_SYNC_HOST", "127.0.0.1"), port, size)
-        return SharedMemorySender(admin)
-
-    def _make_adapter_sync(self, admin: VLLMAdminClient) -> LoRAAdapterSync | None:
-        """Adapter-only sync when the model is a PEFT LoRA model and the server loads adapters at run
-        time (limits checked here, with the flag to restart the server with); else ``None`` (merged)."""
-        model = self.accelerator.unwrap_model(self.model)
-        if not hasattr(model, "peft_config"):
-            return None
-        server = server_lora_config(admin)
-        if server is None:
-            return None
-        obstacle = adapter_sync_obstacle(model)
-        if obstacle is not None:
-            logger.warning("LoRA: the server runs --enable-lora but the model has %s; using the merged-weight sync",
-                           obstacle)
-            return None
-        check_lora_limits(server, self.args.max_staleness, adapter_rank(model))
-        cache = Path(cast(str, self.args.output_dir)) / LORA_CACHE_DIR  # set by TrainingArguments.__post_init__
-        logger.info("LoRA: adapter-only sync (versions under %s, %d kept registered)",
-                    cache, self.args.max_staleness + 1)
-        return LoRAAdapterSync(admin, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self.args.max_staleness + 1)
-
-    def _manifest(self) -> dict[str, tuple[int, ...]]:
-        manifest = checkpoint_manifest(self.model_id) if Path(self.model_id).is_dir() else {}
-        return {name: shape for name, shape in manifest.items() if name not in self._frozen_weights}
 
     # ------------------------------------------------------------------------------ the step
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[MicroBatch], None]:
@@ -548,65 +483,6 @@ class AsyncGRPOTrainer(Trainer):
         tokens = inputs.row_for(self.accelerator.process_index).num_unique_tokens
         return 6 * self._num_params * tokens
 
-    def _sync_weights(self, version: int, barrier: bool = True, overlap: bool = False) -> None:
-        """Push the weights as ``version`` (rank 0) once every rank finished its optimizer step; with
-        ``overlap`` and a sync that needs no pause, on a thread while the next step goes on
-        (:mod:`trainer.sync.background`)."""
-        t0 = time.perf_counter()
-        if barrier:
-            self.accelerator.wait_for_everyone()
-        barrier_s = time.perf_counter() - t0
-        self.metrics.add("perf/weight_sync_barrier_s", barrier_s)
-        if overlap and self._background_sync is not None and self._syncer is not None:
-            self._wait_for_sync()  # one sync at a time: the previous one ends first
-            syncer, weights = self._syncer, self._policy_weights()
-
-            def sync(read_done: Callable[[], None]) -> SyncTimings:
-                timings = syncer.sync(weights, version, read_done)
-                self._publish_version(version)  # at once: new rollouts start under the new version
-                return timings
-
-            self._background_sync.start(sync)
-            return
-        timings: SyncTimings | None = None
-        model = self.accelerator.unwrap_model(self.model)
-        sharded = is_sharded(model)  # FSDP2: every rank joins the gathers, rank 0 sends (trainer.sync.gather)
-        if self._adapter_sync is not None:
-            state_dict = adapter_state_dict(model) if sharded else None
-            if self.is_world_process_zero():
-                timings = self._adapter_sync.load(model, version, state_dict=state_dict)
-                self._publish_version(version)  # new rollouts ask for the new adapter before the oldest goes
-                timings.transfer_s += self._adapter_sync.retire()
-            else:
-                self._publish_version(version)
-        else:
-            if self._syncer is not None:
-                timings = self._syncer.sync(self._policy_weights(), version)
-            elif sharded:
-                self._policy_weights().drain()
-            self._publish_version(version)
-        if timings is not None:
-            self.metrics.add("perf/weight_sync_pause_s", timings.pause_s)
-            self.metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
-        self.metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
-        self._sync_wait_s += time.perf_counter() - t0
-
-    def _wait_for_sync(self, block: bool = True) -> None:
-        """Wait for an overlapped sync: until it ends, or (``block=False``) only until it no longer
-        reads the weights; log it once it ended. Raises its error."""
-        background = self._background_sync
-        if background is None or not background.pending:
-            return
-        t0 = time.perf_counter()
-        if not block:
-            background.wait_for_read()
-        finished = background.collect(block)
-        self._sync_wait_s += time.perf_counter() - t0
-        if finished is not None:
-            self.metrics.add("perf/weight_sync_pause_s", finished.timings.pause_s)
-            self.metrics.add("perf/weight_sync_transfer_s", finished.timings.transfer_s)
-            self.metrics.add("perf/weight_sync_s", finished.duration_s)
-
     def _publish_version(self, version: int) -> None:
         """Make ``version`` the policy version of the trainer, the stream and new rollouts."""
         self._policy_version = version
@@ -614,11 +490,6 @@ class AsyncGRPOTrainer(Trainer):
             self.stream.policy_version = version
         if self.worker is not None:
             self.worker.channels.model_version.value = version
-
-    def _policy_weights(self) -> PolicyWeights:
-        """The weights the server serves, by checkpoint name (LoRA merged into the base weights), gathered
-        from the shards one at a time under FSDP2; the frozen vision tower is left out."""
-        return PolicyWeights(self.accelerator.unwrap_model(self.model), skip=self._frozen_weights)
 
     def _end_of_step(self, step_s: float) -> None:
         args = self.args
@@ -635,8 +506,7 @@ class AsyncGRPOTrainer(Trainer):
         m.add("batch/microbatches_per_step", args.gradient_accumulation_steps)
         m.add("perf/step_s", step_s)
         m.add("perf/rollout_wait_s", wait_s)
-        m.add("perf/weight_sync_wait_s", self._sync_wait_s)
-        self._sync_wait_s = 0.0
+        m.add("perf/weight_sync_wait_s", self._policy_sync.take_wait_s())
         m.add("perf/fwd_bwd_s", self._step_fwd_bwd_s)
         m.add("perf/fwd_s", self._step_fwd_s)
         m.add("batch/groups_per_step", len(self._step_groups))
@@ -704,7 +574,7 @@ class AsyncGRPOTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The base save plus ``rollout_state.json``, atomically (:mod:`trainer.checkpoint`): a kill or
         a full disk mid-save leaves the earlier checkpoints as they were."""
-        self._wait_for_sync()  # the saved policy version is the one the server has
+        self._policy_sync.wait()  # the saved policy version is the one the server has
         if self._checkpoints is None:
             self._checkpoints = StagedCheckpoints(self.accelerator.wait_for_everyone, self.is_world_process_zero())
         run_dir = super()._get_output_dir(trial)

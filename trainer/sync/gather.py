@@ -30,7 +30,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from trainer.exceptions import WeightSyncError
 
-__all__ = ["PolicyWeights", "adapter_state_dict", "checkpoint_tensors", "full_tensor"]
+__all__ = ["PolicyWeights", "adapter_state_dict", "checkpoint_tensors", "full_tensor", "is_sharded"]
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -52,6 +52,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
     t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor shard (FSDP2 prepared it): then every rank
+    joins each sync's gathers."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _served_name(name: str) -> str:

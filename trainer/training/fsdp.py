@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["enable_fsdp_on_cpu", "is_sharded"]
+__all__ = ["enable_fsdp_on_cpu"]
 
 def enable_fsdp_on_cpu(accelerator: Any, plugin_args: dict[str, Any] | None) -> bool:
     """Turn on accelerate's FSDP2 path for a multi-process CPU run; returns whether it did.
@@ -62,9 +62,3 @@ def enable_fsdp_on_cpu(accelerator: Any, plugin_args: dict[str, Any] | None) -> 
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return True
 
-
-def is_sharded(model: Any) -> bool:
-    """Whether any parameter of ``model`` is a DTensor shard (FSDP2 prepared it)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())

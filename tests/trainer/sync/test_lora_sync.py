@@ -58,7 +58,7 @@ def test_merged_lora_weights_reach_the_server(
                 p.normal_(std=0.3)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
 
-    restore_served_weights.sync(trainer._policy_weights(), version=3)  # checks names and shapes first
+    restore_served_weights.sync(trainer._policy_sync.policy_weights(), version=3)  # checks names and shapes first
 
     # The trainer's model is unmerged again: base weights as before, adapter still separate.
     for n, p in trainer.model.named_parameters():

@@ -60,10 +60,10 @@ def test_only_the_language_model_trains_and_is_synced(tiny_vl_dir: Path, tmp_pat
         assert changed == (name not in vision), f"{name}: changed={changed}"
     assert not any(state for p, state in optimizer.state.items() if id(p) in {id(by_name[n]) for n in vision})
 
-    sent = trainer._policy_weights()
+    sent = trainer._policy_sync.policy_weights()
     assert not {n for n, _ in sent} & vision
     assert {n for n, _ in sent} == set(by_name) - vision
-    check_against_manifest(sent, trainer._manifest())  # the checkpoint's names, less the vision tower's
+    check_against_manifest(sent, trainer._policy_sync.manifest())  # the checkpoint's names, less the vision tower's
 
 
 def test_image_parts_are_refused_before_the_server(tiny_vl_dir: Path, tmp_path: Path) -> None:
