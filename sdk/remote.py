@@ -221,7 +221,8 @@ class RemoteEnvironment:
                     return await self._open(url)
                 except ServerDrainingError as exc:
                     last_error = str(exc)  # try the next replica
-                except (OSError, TimeoutError, InvalidHandshake) as exc:
+                except (ConnectionClosed, OSError, TimeoutError, InvalidHandshake) as exc:
+                    # ConnectionClosed: the server accepted the handshake, then died before its hello.
                     last_error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() + delay > deadline:
                 raise ServerUnavailableError(

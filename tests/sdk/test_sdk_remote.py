@@ -242,6 +242,29 @@ def test_reset_on_a_draining_replica_moves_to_another(server):
         draining.stop()
 
 
+def test_a_replica_dying_between_handshake_and_hello_is_skipped(server):
+    """A server killed mid-open (handshake accepted, no hello sent) is a lost server, not an error
+    of the episode: reset goes on to the next replica (seen under load in a CI run, where reset
+    raised websockets' ConnectionClosedError and the rollout was lost)."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    async def die(ws: ServerConnection) -> None:
+        ws.transport.abort()  # no close frame, like a SIGKILLed process
+
+    async def scenario():
+        async with serve(die, "127.0.0.1", 0) as dying:
+            port = dying.sockets[0].getsockname()[1]
+            env = RemoteEnvironment(f"http://127.0.0.1:{port}", "counter", fallback_urls=[server.url],
+                                    connect_timeout=5.0)
+            prompt = await env.reset(target=2)
+            url = env.url
+            await env.aclose()
+            return prompt, url
+
+    prompt, url = asyncio.run(scenario())
+    assert (prompt, url) == ("Increment the counter to 2.", server.url)
+
+
 def test_calls_after_close_are_refused(server):
     async def scenario():
         env = RemoteEnvironment(server.url, "counter")
