@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -212,9 +213,19 @@ def test_no_server_gives_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> 
         trainer.train()
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)  # signal 0: does any process of the group remain?
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.vllm
 def test_server_dying_mid_run_gives_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     server = VLLMServer(VLLMServerConfig(model=str(tiny_model_dir), max_model_len=256)).start()
+    assert server.process is not None
+    pgid = os.getpgid(server.process.pid)
     try:
         class KillServerAfterFirstStep(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -230,5 +241,11 @@ def test_server_dying_mid_run_gives_a_clear_error(tiny_model_dir: Path, tmp_path
             trainer.train()
         assert time.monotonic() - t0 < 120
         assert trainer.worker is None
+        # stop() left no process of the server's group (its engine core and workers included):
+        # killed ones may take a moment to be reaped, none may remain.
+        deadline = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(pgid), "processes of the server's group outlived stop()"
     finally:
         server.stop()
