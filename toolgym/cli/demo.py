@@ -35,7 +35,7 @@ from trainer.config import AsyncGRPOConfig
 from trainer.rollout.evaluation import PolicyEval, evaluate_policy
 
 TARGETS = (1, 2, 3, 4, 5, 6)
-EVAL_EPISODES_PER_TARGET = 24
+EVAL_EPISODES_PER_TARGET = 96
 WARM_START_STEPS = 400
 
 
