@@ -140,6 +140,14 @@ class RolloutWorker:
                 if deadline is not None and time.monotonic() > deadline:
                     return None
 
+    def _discard_pending(self) -> None:
+        for q in (self.channels.rollout_buffer, self.channels.metrics_queue):
+            try:
+                while True:
+                    q.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                pass
+
     def queued_samples(self) -> int:
         """Training samples the worker has queued since it started (``rollout/queue_size`` counts samples)."""
         return int(self.channels.queued_samples.value)
@@ -169,11 +177,20 @@ class RolloutWorker:
                 return records
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the worker to stop, then terminate/kill it if it does not; idempotent."""
+        """Ask the worker to stop, then terminate/kill it if it does not; idempotent.
+
+        What the worker still sends is discarded (the run is over), and that is what lets it exit:
+        a process that put items on a queue exits only after its feeder threads have written them
+        into the pipe, which blocks while the pipe is full and no one reads. Joining without
+        reading waited out the whole ``timeout_s`` after most runs.
+        """
         if self.process.pid is None:
             return
         self.channels.stop.set()
-        self.process.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.process.is_alive() and time.monotonic() < deadline:
+            self._discard_pending()
+            self.process.join(0.05)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
