@@ -140,14 +140,6 @@ class RolloutWorker:
                 if deadline is not None and time.monotonic() > deadline:
                     return None
 
-    def _discard_pending(self) -> None:
-        for q in (self.channels.rollout_buffer, self.channels.metrics_queue):
-            try:
-                while True:
-                    q.get_nowait()
-            except (queue.Empty, OSError, EOFError):
-                pass
-
     def queued_samples(self) -> int:
         """Training samples the worker has queued since it started (``rollout/queue_size`` counts samples)."""
         return int(self.channels.queued_samples.value)
@@ -175,6 +167,14 @@ class RolloutWorker:
                 records.extend(self.channels.metrics_queue.get_nowait())
             except queue.Empty:
                 return records
+
+    def _discard_pending(self) -> None:
+        for q in (self.channels.rollout_buffer, self.channels.metrics_queue):
+            try:
+                while True:
+                    q.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                pass
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to stop, then terminate/kill it if it does not; idempotent.
