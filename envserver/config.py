@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from envserver.exceptions import ConfigError
+from envserver.exceptions import ServerConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +79,20 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_sessions", "threads", "max_frame_bytes", "max_head_bytes", "max_buffered_bytes"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}; raise it")
+                raise ServerConfigError(f"{name} must be >= 1, got {getattr(self, name)}; raise it")
         if self.max_waiting < 0:
-            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}; 0 disables queueing")
+            raise ServerConfigError(f"max_waiting must be >= 0, got {self.max_waiting}; 0 disables queueing")
         for name in ("queue_timeout", "idle_timeout", "resume_grace", "call_timeout", "drain_timeout",
                      "head_timeout", "fragment_timeout"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ServerConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.inline_threshold < 0:
-            raise ConfigError(f"inline_threshold must be >= 0 seconds, got {self.inline_threshold}; 0 turns it off")
+            raise ServerConfigError(
+                f"inline_threshold must be >= 0 seconds, got {self.inline_threshold}; 0 turns it off")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+            raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.token is not None and not self.token:
-            raise ConfigError("token must be non-empty; pass None to disable auth")
+            raise ServerConfigError("token must be non-empty; pass None to disable auth")
 
     @property
     def hard_frame_limit(self) -> int:

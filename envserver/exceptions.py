@@ -4,7 +4,7 @@ The tree (all under ``sdk.exceptions.ToolgymError``, the project-wide base)::
 
     ToolgymError
     └── EnvServerError
-        ├── ConfigError          a ServerConfig value out of range
+        ├── ServerConfigError    a ServerConfig value out of range
         ├── EnvSpecError         an environment spec (``NAME=module:Class``) cannot be loaded
         ├── Refused              (internal) a new session cannot be opened; carries the wire code
         └── SessionBusy          (internal) a timed-out sync call still runs on the session's environment
@@ -19,7 +19,7 @@ class EnvServerError(ToolgymError):
     """Base class of the env server's errors."""
 
 
-class ConfigError(EnvServerError, ValueError):
+class ServerConfigError(EnvServerError, ValueError):
     """A ``ServerConfig`` field has a value the server cannot run with."""
 
 

@@ -14,7 +14,8 @@ import torch
 
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.sync.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer, checkpoint_manifest
+from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
+from trainer.vllm.admin import VLLMAdminClient
 
 # The env server fixtures (``server``, test environments) for every test folder: helpers are modules
 # imported as ``tests.<folder>.<module>``, fixtures come from here.
@@ -81,7 +82,7 @@ def warm_counter_model_dir() -> Path:
     Built once per machine in the repository's ``.cache/`` (about two minutes of one CPU thread), the
     same folder ``make demo`` and the README walkthrough use, so the suite builds it once.
     """
-    from toolgym.cli.demo import warm_model
+    from toolgym.kit.counter_experiment import warm_model
 
     return warm_model(Path(__file__).resolve().parents[1] / ".cache", seed=0)
 

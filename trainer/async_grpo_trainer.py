@@ -34,8 +34,8 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.checkpoint import ROLLOUT_STATE, StagedCheckpoints
-from trainer.compat import check_construction, check_output_head
 from trainer.config import AsyncGRPOConfig
+from trainer.construction_checks import check_construction, check_output_head
 from trainer.exceptions import ConfigError
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -44,12 +44,10 @@ from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.prompt_order import first_row_columns, is_stream
-from trainer.rollout.server_info import candidate_path, dtype_mismatch, read_server_info
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
 from trainer.sync.policy_sync import PolicySync
-from trainer.sync.weight_sync import VLLMAdminClient
 from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
 from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers, use_compiled_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
@@ -65,6 +63,8 @@ from trainer.training.model_loading import freeze_outside_language_model, load_m
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.row_forward import forwarded_positions
 from trainer.training.tree_attention import enable_tree_attention
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import candidate_path, dtype_mismatch, read_server_info
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
@@ -313,7 +313,7 @@ class AsyncGRPOTrainer(Trainer):
             self.feed = None
 
     def _server_limits(self, admin: VLLMAdminClient) -> tuple[int, int | None]:
-        from trainer.rollout.sampler_client import kv_cache_tokens, parse_prometheus
+        from trainer.vllm.client import kv_cache_tokens, parse_prometheus
 
         deadline = time.monotonic() + self.args.vllm_server_timeout
         while True:

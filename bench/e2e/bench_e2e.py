@@ -2,7 +2,7 @@
 
 One env server (counter environment) and one vLLM CPU server serve both runs, which start from the
 same warm-started weights (pushed back onto the server before each run) with the same seeds and
-settings (the demo's, see ``toolgym.cli.demo.counter_config``); only ``max_staleness`` differs:
+settings (the demo's, see ``toolgym.kit.counter_experiment.counter_config``); only ``max_staleness`` differs:
 
 * asynchronous: ``max_staleness=4`` (generation runs up to 4 steps ahead of training);
 * synchronous: ``max_staleness=0`` (one step's worth of generation, then training, then the sync).
@@ -28,7 +28,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sdk import remote_factory
-from toolgym.cli.demo import (
+from toolgym.kit.counter_experiment import (
     counter_config,
     counter_trainer,
     evaluate_counter,

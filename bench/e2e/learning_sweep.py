@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from sdk import remote_factory
-from toolgym.cli.demo import counter_config, learning_run, serve_policy, warm_model
+from toolgym.kit.counter_experiment import counter_config, learning_run, serve_policy, warm_model
 from toolgym.launch.envserver import EnvServerProcess
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.reporting import ProgressCallback
@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=TEST_STEPS)
     parser.add_argument("--episodes-per-target", type=int, default=TEST_EPISODES_PER_TARGET)
-    parser.add_argument("--learning-rate", type=float, help="default: the demo's (toolgym.cli.demo.counter_config)")
+    parser.add_argument("--learning-rate", type=float,
+                        help="default: the demo's (toolgym.kit.counter_experiment.counter_config)")
     parser.add_argument("--cache", default=".cache")
     parser.add_argument("--output-dir", default="outputs/learning-sweep")
     parser.add_argument("--json", help="also write the rows to this file")

@@ -44,7 +44,7 @@ from bench_multiturn import TimedLoop, measure, start_envserver  # noqa: E402
 from counter_agent import MAX_TOOL_CALLING_ITERATIONS, counter_agent  # noqa: E402
 
 from sdk import remote_factory  # noqa: E402
-from toolgym.cli.demo import warm_model  # noqa: E402
+from toolgym.kit.counter_experiment import warm_model  # noqa: E402
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
 from trainer.harness_trainer import HarnessAsyncGRPOConfig  # noqa: E402
 from trainer.rollout.harness_loop import HarnessRolloutLoop  # noqa: E402

@@ -66,8 +66,8 @@ from trainer.config import AsyncGRPOConfig
 from trainer.records import TurnRecord
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.sampler_client import SamplingParams
 from trainer.rollout.worker import WorkerChannels
+from trainer.vllm.client import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 

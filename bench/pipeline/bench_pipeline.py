@@ -49,14 +49,14 @@ from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.sampler_client import (
+from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.vllm.client import (
     SamplerClient,
     SamplingParams,
     kv_cache_tokens,
     parse_prometheus,
     server_load,
 )
-from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
 
 MAX_TOKENS = 64
 

@@ -83,7 +83,7 @@ def arithmetic_dataset(n: int = 2048, seed: int = 0, high: int = 9) -> Dataset:
 
 def run_setting(name: str, model_dir: Path, base_url: str, out: Path, args: argparse.Namespace) -> dict[str, float]:
     """Train ``steps`` steps with setting ``name``; the run's figures."""
-    from toolgym.cli.demo import serve_policy
+    from toolgym.kit.counter_experiment import serve_policy
 
     serve_policy(base_url, model_dir)  # every run starts from the warm weights
     config = AsyncGRPOConfig(

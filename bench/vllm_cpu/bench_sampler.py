@@ -5,7 +5,7 @@ Command (from the repository root, after ``make setup``)::
     .venv/bin/python bench/vllm_cpu/bench_sampler.py [--concurrency 32] [--requests 256] [--max-tokens 128]
 
 Prints: seconds to readiness; generated tokens/s at the given concurrency through our
-:class:`~trainer.rollout.sampler_client.SamplerClient`; the time of one full weight update through the
+:class:`~trainer.vllm.client.SamplerClient`; the time of one full weight update through the
 ``toolgym_shm`` backend (pause, transfer, finish, reset prefix cache, resume), median of 5.
 """
 
@@ -23,13 +23,9 @@ from transformers import AutoModelForCausalLM
 
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams
-from trainer.sync.weight_sync import (
-    SharedMemorySender,
-    VLLMAdminClient,
-    WeightSynchronizer,
-    checkpoint_manifest,
-)
+from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import SamplerClient, SamplingParams
 
 
 async def generated_tokens_per_s(base_url: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, int]:

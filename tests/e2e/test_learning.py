@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from toolgym.cli.demo import serve_policy
+from toolgym.kit.counter_experiment import serve_policy
 from toolgym.kit.warm_start import arithmetic_prompt
 from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolgym.cli.demo import serve_policy
 from toolgym.cli.train import main, parse_args
+from toolgym.kit.counter_experiment import serve_policy
 from toolgym.kit.warm_start import arithmetic_prompt
 from toolgym.launch.threads import trainer_threads_beside_vllm
 from toolgym.launch.vllm_server import VLLMServer

@@ -11,14 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.exceptions import VLLMServerError, WeightSyncError
-from trainer.rollout.sampler_client import (
+from trainer.sync.vllm_plugin import PROTOCOL_VERSION
+from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
+from trainer.vllm.client import (
     SamplerClient,
     SamplingParams,
     parse_prometheus,
     server_load,
 )
-from trainer.sync.vllm_plugin import PROTOCOL_VERSION
-from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
 
 PROMPT = [5, 17, 42, 99, 7]
 

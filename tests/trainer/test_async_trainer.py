@@ -26,8 +26,8 @@ from trainer.exceptions import (
     VLLMServerError,
     WeightSyncError,
 )
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams
 from trainer.sync.weight_sync import WeightSynchronizer
+from trainer.vllm.client import SamplerClient, SamplingParams
 
 # Reward functions live at module level: they must pickle into the spawned worker.
 

@@ -45,7 +45,6 @@ from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.rollout.reconcile import reconcile_turns
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams
 from trainer.rollout.scoring import (
     RewardRunner,
     group_advantages,
@@ -53,7 +52,6 @@ from trainer.rollout.scoring import (
     reward_func_name,
     sum_rewards,
 )
-from trainer.rollout.server_info import CandidatePath, check_turn_length, truncates
 from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
 from trainer.rollout.tool_runner import (
     ToolRunner,
@@ -61,6 +59,8 @@ from trainer.rollout.tool_runner import (
     tools_from_functions,
 )
 from trainer.rollout.worker import WorkerChannels
+from trainer.vllm.client import SamplerClient, SamplingParams
+from trainer.vllm.server_info import CandidatePath, check_turn_length, truncates
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class AsyncRolloutLoop:
         served_model: The name the server serves the trainer's model under (requests name it);
             ``None``: the base model ``/v1/models`` lists.
         candidates: How each sampled token's top-k/top-p candidate set is read from the server, as
-            chosen at start (:func:`trainer.rollout.server_info.candidate_path`); ``None``: not at all.
+            chosen at start (:func:`trainer.vllm.server_info.candidate_path`); ``None``: not at all.
     """
 
     def __init__(
@@ -203,7 +203,7 @@ class AsyncRolloutLoop:
         (or with ``params``, a caller's own limits: the harness endpoint's per-request ``max_tokens``).
 
         ``max_tokens`` is ``max_completion_length``. A prompt plus that over the server's
-        ``max_model_len`` stops the run (:func:`~trainer.rollout.server_info.check_turn_length`); with
+        ``max_model_len`` stops the run (:func:`~trainer.vllm.server_info.check_turn_length`); with
         top-k/top-p the turn is cut at ``max_model_len`` instead. An override that calls
         ``self.sampler.complete`` itself passes ``model=self.rollout_model()`` (the LoRA adapter of the
         rollout's policy version).

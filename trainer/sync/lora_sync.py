@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trainer.exceptions import ConfigError, VLLMServerError, WeightSyncError
 from trainer.records import adapter_name
-from trainer.sync.weight_sync import SyncTimings, VLLMAdminClient
+from trainer.sync.weight_sync import SyncTimings
+from trainer.vllm.admin import VLLMAdminClient
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel

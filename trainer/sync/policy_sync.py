@@ -40,11 +40,11 @@ from trainer.sync.lora_sync import (
 from trainer.sync.weight_sync import (
     SharedMemorySender,
     SyncTimings,
-    VLLMAdminClient,
     WeightSender,
     WeightSynchronizer,
     checkpoint_manifest,
 )
+from trainer.vllm.admin import VLLMAdminClient
 
 __all__ = ["PolicySync"]
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from environments.counter import IncrementEnv
 from tests.trainer.rollout.harness_agents import RecordingHarnessTrainer, counter_agent
-from toolgym.cli.demo import counter_dataset, serve_policy
+from toolgym.kit.counter_experiment import counter_dataset, serve_policy
 from toolgym.launch.vllm_server import VLLMServer
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams
+from trainer.vllm.client import SamplerClient, SamplingParams
 
 METRICS = 'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:num_requests_running{engine="0"} 3\n'
 

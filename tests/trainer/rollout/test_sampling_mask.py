@@ -26,19 +26,19 @@ from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, RolloutWorkerError, VLLMServerError
 from trainer.records import TrainingSample, TurnRecord
 from trainer.rollout.reconcile import reconcile_turns
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams, _generate_turn
-from trainer.rollout.server_info import (
+from trainer.training.logprobs import forward_packed
+from trainer.training.loss import LossConfig, grpo_loss, loss_metrics
+from trainer.training.packing import build_row
+from trainer.training.tree_attention import enable_tree_attention
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import SamplerClient, SamplingParams, _generate_turn
+from trainer.vllm.server_info import (
     ServerInfo,
     candidate_path,
     check_turn_length,
     dtype_mismatch,
     read_server_info,
 )
-from trainer.sync.weight_sync import VLLMAdminClient
-from trainer.training.logprobs import forward_packed
-from trainer.training.loss import LossConfig, grpo_loss, loss_metrics
-from trainer.training.packing import build_row
-from trainer.training.tree_attention import enable_tree_attention
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8, 64], [77, 78, 79, 80, 81, 82], [1000, 3, 250]]
 TEMPERATURE = 1.5

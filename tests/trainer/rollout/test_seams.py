@@ -15,8 +15,9 @@ from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.records import Rollout, TrainingSequence
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.server_info import read_server_info, served_model_entry
-from trainer.sync.weight_sync import VLLMAdminClient, WeightSynchronizer
+from trainer.sync.weight_sync import WeightSynchronizer
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import read_server_info, served_model_entry
 
 
 def test_the_base_model_is_named_not_the_first_listed() -> None:

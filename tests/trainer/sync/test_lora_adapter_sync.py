@@ -24,9 +24,9 @@ from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, WeightSyncError
 from trainer.records import adapter_name
-from trainer.rollout.sampler_client import parse_prometheus
 from trainer.sync.lora_sync import LORA_CACHE_DIR, LoRAAdapterSync, server_lora_config
-from trainer.sync.weight_sync import VLLMAdminClient
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import parse_prometheus
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 MAX_LORAS = 3  # fits max_staleness=1 (1 + 2)

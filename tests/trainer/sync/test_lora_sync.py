@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.rollout.sampler_client import SamplerClient, SamplingParams
 from trainer.sync.weight_sync import WeightSynchronizer
+from trainer.vllm.client import SamplerClient, SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7]
 

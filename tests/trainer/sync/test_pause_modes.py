@@ -19,13 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolgym.launch.vllm_server import VLLMServer
-from trainer.rollout.sampler_client import ServerLoad, parse_prometheus, server_load
-from trainer.sync.weight_sync import (
-    SharedMemorySender,
-    VLLMAdminClient,
-    WeightSynchronizer,
-    checkpoint_manifest,
-)
+from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import ServerLoad, parse_prometheus, server_load
 
 REQUESTS = 6
 LONG = 1000  # tokens per request (the session server's max_model_len is 1024): running when the sync comes

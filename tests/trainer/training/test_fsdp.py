@@ -89,7 +89,8 @@ def test_accelerate_launch_with_an_fsdp2_config_file_shards_on_cpu(tiny_model_di
 @pytest.fixture(scope="module")
 def fsdp_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-rank launch of ``fsdp_run.py``; its output directory. The served weights are put back after."""
-    from trainer.sync.weight_sync import SharedMemorySender, VLLMAdminClient, WeightSynchronizer
+    from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer
+    from trainer.vllm.admin import VLLMAdminClient
 
     out = tmp_path_factory.mktemp("fsdp")
     try:

@@ -1,4 +1,4 @@
-"""The source's compatibility refusals ("Tương thích và ràng buộc"), each a clear error at construction.
+"""What the trainer refuses at construction, each a clear error naming what to do instead.
 
 :func:`check_construction` runs in ``AsyncGRPOTrainer.__init__`` before anything is loaded or spawned, so a
 combination the trainer cannot run fails at once with what to do instead, not at the first step or in the

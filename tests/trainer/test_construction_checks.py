@@ -1,4 +1,4 @@
-"""The source's compatibility refusals: each combination fails at construction with a clear ConfigError."""
+"""What the trainer refuses at construction: each combination fails with a clear ConfigError."""
 
 from __future__ import annotations
 

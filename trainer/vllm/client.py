@@ -8,7 +8,7 @@ own generator, seeded by the caller, so a run is reproducible). Failed requests 
 with exponential backoff; :attr:`SamplerClient.retry_count` feeds ``rollout/vllm_retry_count``.
 
 Under top-k/top-p/min-p truncation each sampled token's candidate set comes back with the turn
-(:attr:`TurnRecord.output_sampling_mask`), by the path :mod:`trainer.rollout.server_info` chose at
+(:attr:`TurnRecord.output_sampling_mask`), by the path :mod:`trainer.vllm.server_info` chose at
 start: the server's sampling mask through ``/inference/v1/generate``, or the finite entries of the
 top ``top_k`` processed log-probs of ``/v1/completions``.
 
@@ -32,7 +32,7 @@ import aiohttp
 
 from trainer.exceptions import VLLMServerError
 from trainer.records import TurnRecord
-from trainer.rollout.server_info import (
+from trainer.vllm.server_info import (
     EXCLUDED_LOGPROB,
     GENERATE_ROUTE,
     CandidatePath,
@@ -62,7 +62,7 @@ class SamplingParams:
     logprobs: int = 8
     stop_token_ids: list[int] | None = None
     candidates: CandidatePath | None = None
-    """How each sampled token's candidate set is read (:func:`~trainer.rollout.server_info.candidate_path`);
+    """How each sampled token's candidate set is read (:func:`~trainer.vllm.server_info.candidate_path`);
     ``None`` or ``"full_vocab"``: not at all."""
 
     def top_logprobs_requested(self) -> int:
