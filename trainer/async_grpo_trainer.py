@@ -62,6 +62,7 @@ from trainer.training.loss import (
 from trainer.training.model_loading import freeze_outside_language_model, load_model
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.row_forward import forwarded_positions
+from trainer.training.step_guard import StepGuard
 from trainer.training.tree_attention import enable_tree_attention
 from trainer.vllm.admin import VLLMAdminClient
 from trainer.vllm.server_info import candidate_path, dtype_mismatch, read_server_info
@@ -111,6 +112,7 @@ class _PipelineCallback(TrainerCallback):
         self.trainer = trainer
         self._step_start = time.perf_counter()
         self._opt_start = 0.0
+        self._applied_since_sync = 0  # optimizer steps applied (not skipped by the step guard) since the last sync
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.trainer._start_sharded()
@@ -122,6 +124,10 @@ class _PipelineCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.trainer._policy_sync.wait(block=False)  # the optimizer is about to change the weights it reads
+        if self.trainer._step_guard.check(self.trainer.model, state.global_step + 1):
+            self.trainer.metrics.add("batch/skipped_nonfinite_step_count", 1)
+        else:
+            self._applied_since_sync += 1
         self._opt_start = time.perf_counter()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -129,7 +135,9 @@ class _PipelineCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.trainer
-        if state.global_step % args.weight_sync_steps == 0:
+        # Skipped steps change nothing: a sync after only those would send the same weights as a new version.
+        if state.global_step % args.weight_sync_steps == 0 and self._applied_since_sync:
+            self._applied_since_sync = 0
             t._requested_version += 1  # not _policy_version + 1: an overlapped sync publishes it later
             t._policy_sync.sync(t._requested_version, overlap=True)
         t._end_of_step(time.perf_counter() - self._step_start)
@@ -261,6 +269,7 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens = 0
         self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
         self._loss_stats: list[dict[str, torch.Tensor]] = []
+        self._step_guard = StepGuard()  # a step with non-finite gradients is skipped, never applied or synced
         super().__init__(model=model, args=args, train_dataset=None, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
         self.add_callback(_PipelineCallback(self))

@@ -8,6 +8,7 @@
         │                              weights are in an unknown state)
         ├── RolloutWorkerError         the rollout worker crashed, hung or stopped (carries its traceback)
         ├── RankZeroLostError          rank 0 stopped feeding another rank (multi-process training)
+        ├── NonFiniteTrainingError     step after step had non-finite gradients (none was applied)
         ├── UnsupportedModelError (TypeError)   the model has layers tree packing cannot run (yet)
         ├── OversizeSampleError (ValueError)    a sample is longer than ``token_budget``
         ├── RewardFunctionError (ValueError)   a reward function raised or returned a wrong-length list
@@ -57,6 +58,10 @@ class RolloutWorkerError(TrainerError):
 
 class RankZeroLostError(TrainerError):
     """Rank 0 stopped feeding this rank: its heartbeat froze or the store became unreachable."""
+
+
+class NonFiniteTrainingError(TrainerError):
+    """Several optimizer steps in a row had non-finite gradients; none was applied, and the run stops."""
 
 
 class UnsupportedModelError(TrainerError, TypeError):

@@ -6,15 +6,20 @@ and by the spawned rollout worker, so everything here is module level.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from environments.counter import IncrementEnv
 from tests.trainer.spread_reward import token_reward
 from toolgym.launch.envserver import EnvServerProcess
+from trainer.async_grpo_trainer import AsyncRolloutLoop
+from trainer.records import RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_AT_ENV = "TOOLGYM_FAULT_KILL_AT"  # the server process SIGKILLs itself at its N-th get_reward
@@ -71,3 +76,16 @@ async def async_always_hangs(completion_ids: list[list[int]], **kwargs: Any) -> 
 def exploding_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     """Raises on every group."""
     raise ZeroDivisionError("the grader divided by zero on purpose")
+
+
+def inf_for_the_first(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """``inf`` for each group's first rollout (a grader's division by zero), ``rank_reward`` for the rest."""
+    return [math.inf] + rank_reward(completion_ids)[1:]
+
+
+class NaNAdvantageLoop(AsyncRolloutLoop):
+    """A loop whose ``compute_advantages`` divides by a zero spread: every advantage is ``nan``."""
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """``nan`` for every rollout."""
+        return np.full(len(group.completions), np.nan)

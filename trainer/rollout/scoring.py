@@ -1,8 +1,10 @@
-"""Scoring a group: reward sources summed, group-relative advantages, and the drop rule (SPEC §3).
+"""Scoring a group: reward sources summed, group-relative advantages, and the drop rule.
 
 The reward of rollout ``i`` is the sum over its sources (the trainer's reward functions, the
 environment's ``get_reward``, ``Rollout.reward``) of the values that are not ``None``; NaN when every
-source returned ``None``. Over the scorable set ``S`` of the group::
+source returned ``None``. A value that is not a finite number (``inf``, ``nan``) counts as ``None``:
+one ``inf`` would otherwise make every advantage of its group ``nan`` and the step's gradients with
+them (:func:`finite_reward`). Over the scorable set ``S`` of the group::
 
     A_i = (r_i - mean_S(r)) / (std_S(r) + 1e-4)     (population std; A_i = 0 outside S)
 
@@ -16,6 +18,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -38,12 +41,31 @@ def reward_func_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def finite_reward(value: Any, source: str) -> float | None:
+    """``value`` as a float, or ``None`` (unscorable by this source) when it is ``None`` or not finite.
+
+    A non-finite reward is a bug in its source, not a score: it is warned about, naming the source, and
+    the rollout is scored by its other sources only.
+    """
+    if value is None:
+        return None
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise RewardFunctionError(f"{source} returned {value!r:.100}, which is not a number or None") from None
+    if math.isfinite(reward):
+        return reward
+    logger.warning("%s returned the reward %r, which is not a finite number: that rollout is not scored by it",
+                   source, reward)
+    return None
+
+
 def sum_rewards(sources: Sequence[Sequence[float | None]], num_rollouts: int) -> np.ndarray:
-    """Per-rollout sum of the non-None values over ``sources``; NaN where all are None."""
+    """Per-rollout sum of the finite values over ``sources``; NaN where none is (the rollout is unscorable)."""
     total = np.full(num_rollouts, np.nan)
     for values in sources:
         for i, value in enumerate(values):
-            if value is not None:
+            if value is not None and math.isfinite(value):
                 total[i] = value if np.isnan(total[i]) else total[i] + value
     return total
 
@@ -121,7 +143,7 @@ class RewardRunner:
         self._timeouts_in_a_row[index] = 0
         if len(values) != n:
             raise RewardFunctionError(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
-        return [None if v is None else float(v) for v in values]
+        return [finite_reward(v, f"reward function {name!r}") for v in values]
 
     def _timed_out(self, index: int, name: str, n: int) -> list[float | None]:
         self._timeouts_in_a_row[index] += 1

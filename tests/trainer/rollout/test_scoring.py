@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from trainer.exceptions import RewardFunctionError
 from trainer.records import Rollout, RolloutGroup, TurnRecord
 from trainer.rollout.scoring import (
     call_reward_funcs,
@@ -47,6 +48,8 @@ def make_group(n: int = 3, **columns) -> RolloutGroup:
     ([[None, None, None]], 3, [NAN, NAN, NAN]),
     ([[0.0, 0.0], [0.0, None], [2.0, None]], 2, [2.0, 0.0]),
     ([], 2, [NAN, NAN]),                                   # no sources at all: unscorable
+    ([[math.inf, 1.0], [1.0, -math.inf]], 2, [1.0, 1.0]),  # a non-finite value scores like None
+    ([[NAN, 1.0]], 2, [NAN, 1.0]),
 ])
 def test_sum_rewards(sources, n, expected):
     np.testing.assert_array_equal(sum_rewards(sources, n), np.array(expected))
@@ -350,3 +353,24 @@ def test_a_scored_group_carries_its_reward_metrics(tmp_path) -> None:
     finally:
         loop.executor.shutdown()
     assert seen_at_put[0].count("reward") == 2 and "rewards/rollout/mean" in seen_at_put[0]
+
+
+def inf_then_rank(completions, **kwargs):
+    return [math.inf] + [float(i) for i in range(1, len(completions))]
+
+
+def words(completions, **kwargs):
+    return ["high"] * len(completions)
+
+
+def test_a_reward_function_returning_inf_or_nan_does_not_score_that_rollout(caplog):
+    out = asyncio.run(call_reward_funcs([inf_then_rank], make_group(3)))
+    assert out == [[None, 1.0, 2.0]]
+    assert "'inf_then_rank' returned the reward inf, which is not a finite number" in caplog.text
+    advantages = group_advantages(sum_rewards(out, 3))
+    assert np.isfinite(advantages).all() and advantages[0] == 0.0
+
+
+def test_a_reward_function_returning_a_non_number_names_itself():
+    with pytest.raises(RewardFunctionError, match="reward function 'words' returned 'high', which is not a number"):
+        asyncio.run(call_reward_funcs([words], make_group(2)))
