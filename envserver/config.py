@@ -4,77 +4,76 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from envserver.exceptions import ServerConfigError
+
+
+def _setting(default: object, doc: str) -> Any:
+    """A field documented where declared: ``doc`` is its ``help``, shown by ``toolgym serve --help``."""
+    return dataclasses.field(default=default, metadata={"help": doc})
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Settings of one env server process. Every limit is on by default.
 
-    Attributes:
-        host: Interface to bind. ``127.0.0.1`` by default: exposing the server is a deliberate act.
-        port: TCP port; ``0`` picks a free one (the bound port is then reported by the server).
-        token: Bearer token required on every route (HTTP and WebSocket); ``None`` disables auth.
-            The CLI defaults it to the ``TOOLGYM_TOKEN`` environment variable.
-        max_sessions: Sessions alive at once (attached or awaiting resume). Past it, new sessions
-            wait in a queue.
-        max_waiting: Bound of that queue; a session arriving when it is full gets ``server_full``
-            at once.
-        queue_timeout: Seconds a queued session waits for a slot before it gets ``server_full``.
-        idle_timeout: Seconds without a request after which an attached session is reaped
-            (``session_evicted``). A running call is never idle.
-        resume_grace: Seconds a session whose connection dropped stays resumable by id; then it is
-            destroyed.
-        call_timeout: Per-request deadline in seconds for ``reset``, ``call`` and ``reward``; past
-            it the request fails with ``call_timeout`` and the session stays open.
-        max_frame_bytes: Largest frame answered normally; larger ones get ``frame_too_large``. Frames
-            over ``4 * max_frame_bytes`` close the connection (code 1009) before being read.
-        threads: Size of each environment class's thread pool, which runs that class's sync
-            methods and constructors (one pool per class: one class's slow tools never hold up
-            another class's sessions).
-        inline_sync: Run sync environment methods on the event loop instead of the thread pool.
-            Saves a thread hand-off per request (less CPU per call for trivial environments)
-            but a slow or blocking sync method then stalls every session and the call deadline
-            cannot interrupt it: only for environments whose methods are all cheap. Off by default.
-        inline_threshold: Seconds under which a sync method counts as cheap; ``0`` (the default)
-            keeps every sync method in the pool. Above 0, a method (or constructor) whose recent
-            runs in the pool all took less runs on the loop instead, saving the thread hand-off;
-            one inline run that takes longer sends it back to the pool
-            (``envserver.pool.InlinePolicy``). That one run stalls the loop and cannot be cut off
-            by ``call_timeout``. Off by default: on the shared 2-core VM, inlined calls (like
-            ``inline_sync``) saw stalls of hundreds of ms under heavy load (``bench/envserver``).
-        drain_timeout: On SIGTERM, seconds to let open sessions finish before evicting them.
-        max_head_bytes: Largest HTTP request head (request line and headers) a peer may send;
-            a larger one is answered ``431`` and the connection closed.
-        head_timeout: Seconds a connection may take to send a complete request head (from when
-            it opens, or from the previous response); then it is closed (slowloris).
-        max_buffered_bytes: Bytes of received messages a connection may hold queued for its
-            session (requests pipelined behind a running one) before the server stops reading
-            from its socket. With one frame being read and one being handled, a connection holds
-            at most about this plus ``2 * hard_frame_limit`` bytes.
-        fragment_timeout: Seconds a fragmented WebSocket message may take from its first frame
-            to its last; then the connection is closed (code 1008).
+    Each field is documented where it is declared (its ``help``), and each is a ``toolgym serve``
+    flag of the same name (``envserver/cli.py`` builds them from these fields).
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8765
-    token: str | None = None
-    max_sessions: int = 1024
-    max_waiting: int = 1024
-    queue_timeout: float = 30.0
-    idle_timeout: float = 300.0
-    resume_grace: float = 30.0
-    call_timeout: float = 60.0
-    max_frame_bytes: int = 1 << 20
-    threads: int = 32
-    inline_sync: bool = False
-    inline_threshold: float = 0.0
-    drain_timeout: float = 10.0
-    max_head_bytes: int = 16 << 10
-    head_timeout: float = 5.0
-    max_buffered_bytes: int = 256 << 10
-    fragment_timeout: float = 20.0
+    host: str = _setting(
+        "127.0.0.1", "Interface to bind. 127.0.0.1 by default: exposing the server is a deliberate act.")
+    port: int = _setting(8765, "TCP port; 0 picks a free one (the bound port is then reported by the server).")
+    token: str | None = _setting(
+        None, "Bearer token required on every route (HTTP and WebSocket); None disables auth. The CLI "
+        "defaults it to the TOOLGYM_TOKEN environment variable.")
+    max_sessions: int = _setting(
+        1024, "Sessions alive at once (attached or awaiting resume). Past it, new sessions wait in a queue.")
+    max_waiting: int = _setting(
+        1024, "Bound of that queue; a session arriving when it is full gets server_full at once.")
+    queue_timeout: float = _setting(30.0, "Seconds a queued session waits for a slot before it gets server_full.")
+    idle_timeout: float = _setting(
+        300.0, "Seconds without a request after which an attached session is reaped (session_evicted). "
+        "A running call is never idle.")
+    resume_grace: float = _setting(
+        30.0, "Seconds a session whose connection dropped stays resumable by id; then it is destroyed.")
+    call_timeout: float = _setting(
+        60.0, "Per-request deadline in seconds for reset, call and reward; past it the request fails with "
+        "call_timeout and the session stays open.")
+    max_frame_bytes: int = _setting(
+        1 << 20, "Largest frame answered normally; larger ones get frame_too_large. Frames over "
+        "4 * max_frame_bytes close the connection (code 1009) before being read.")
+    threads: int = _setting(
+        32, "Size of each environment class's thread pool, which runs that class's sync methods and "
+        "constructors (one pool per class: one class's slow tools never hold up another class's sessions).")
+    inline_sync: bool = _setting(
+        False, "Run sync environment methods on the event loop instead of the thread pool. Saves a thread "
+        "hand-off per request (less CPU per call for trivial environments) but a slow or blocking sync method "
+        "then stalls every session and the call deadline cannot interrupt it: only for environments whose "
+        "methods are all cheap.")
+    inline_threshold: float = _setting(
+        0.0, "Seconds under which a sync method counts as cheap; 0 keeps every sync method in the pool. Above "
+        "0, a method (or constructor) whose recent runs in the pool all took less runs on the loop instead, "
+        "saving the thread hand-off; one inline run that takes longer sends it back to the pool "
+        "(envserver.pool.InlinePolicy). That one run stalls the loop and cannot be cut off by call_timeout. "
+        "Off by default: on a shared 2-core VM, inlined calls (like inline_sync) saw stalls of hundreds of ms "
+        "under heavy load (bench/envserver).")
+    drain_timeout: float = _setting(10.0, "On SIGTERM, seconds to let open sessions finish before evicting them.")
+    max_head_bytes: int = _setting(
+        16 << 10, "Largest HTTP request head (request line and headers) a peer may send; a larger one is "
+        "answered 431 and the connection closed.")
+    head_timeout: float = _setting(
+        5.0, "Seconds a connection may take to send a complete request head (from when it opens, or from the "
+        "previous response); then it is closed (slowloris).")
+    max_buffered_bytes: int = _setting(
+        256 << 10, "Bytes of received messages a connection may hold queued for its session (requests "
+        "pipelined behind a running one) before the server stops reading from its socket. With one frame "
+        "being read and one being handled, a connection holds at most about this plus 2 * hard_frame_limit "
+        "bytes.")
+    fragment_timeout: float = _setting(
+        20.0, "Seconds a fragmented WebSocket message may take from its first frame to its last; then the "
+        "connection is closed (code 1008).")
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "threads", "max_frame_bytes", "max_head_bytes", "max_buffered_bytes"):

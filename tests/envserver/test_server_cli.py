@@ -1,8 +1,10 @@
-"""``toolgym serve``: spec errors with "did you mean", and a real subprocess drained by SIGTERM."""
+"""``toolgym serve``: flags generated from ``ServerConfig``, spec errors with "did you mean", and a real
+subprocess drained by SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -14,10 +16,28 @@ import time
 import pytest
 import websockets
 
-from envserver.cli import main
+from envserver.cli import build_parser, main, parse_config
+from envserver.config import ServerConfig
 from envserver.exceptions import EnvSpecError
 from envserver.registry import parse_specs
 from sdk.exceptions import SpecNotFoundError
+
+
+def test_every_config_field_is_a_flag_with_its_default_and_help(monkeypatch):
+    monkeypatch.delenv("TOOLGYM_TOKEN", raising=False)
+    assert parse_config(["counter"]) == (["counter"], ServerConfig(), "info")
+    usage = " ".join(build_parser().format_help().split())
+    for f in dataclasses.fields(ServerConfig):
+        assert f"--{f.name}" in usage and " ".join(f.metadata["help"].split()) in usage
+
+
+def test_flags_set_fields_and_the_token_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("TOOLGYM_TOKEN", "s3cret")
+    specs, config, log_level = parse_config(
+        ["counter", "wordle", "--port", "0", "--max-sessions", "4", "--inline_sync", "--log-level", "debug"])
+    assert (specs, config, log_level) == (
+        ["counter", "wordle"], ServerConfig(port=0, token="s3cret", max_sessions=4, inline_sync=True), "debug")
+    assert parse_config(["counter", "--token", "other"])[1].token == "other"
 
 
 @pytest.mark.parametrize(("spec", "hint"), [
