@@ -6,7 +6,7 @@ Usage::
     toolgym serve counter wordle calc=environments.calculator:CalculatorEnv --port 8765 --token s3cret
 
 A spec is ``module:Class`` (hosted under the class name), ``NAME=module:Class``, or the short name
-of a bundled environment (``counter``, ``wordle``, ``calculator``, ``python``, ``gridworld``).
+of a bundled environment (the keys of ``environments.BUNDLED``: ``counter``, ``wordle``...).
 ``--token`` defaults to the ``TOOLGYM_TOKEN`` environment variable.
 """
 

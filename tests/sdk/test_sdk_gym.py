@@ -9,20 +9,21 @@ import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
 
+from environments import BUNDLED
 from environments.gridworld import GridWorldEnv
 from sdk import GymnasiumEnvironment, RemoteEnvironment, ToolEnv, register_environment
 
-BUNDLED_IDS = ["toolgym/IncrementEnv-v0", "toolgym/WordGuessEnv-v0", "toolgym/CalculatorEnv-v0",
-               "toolgym/PythonExecEnv-v0", "toolgym/GridWorldEnv-v0"]
+# Importing ``environments`` registers each bundled class as toolgym/<Class>-v0.
+GYM_IDS = {name: f"toolgym/{spec.rpartition(':')[2]}-v0" for name, spec in BUNDLED.items()}
 
 
 def call(name: str, **arguments: object) -> str:
     return json.dumps({"name": name, "arguments": arguments})
 
 
-@pytest.mark.parametrize("env_id", BUNDLED_IDS)
-def test_bundled_environments_are_registered(env_id):
-    env = gymnasium.make(env_id)
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_environments_are_registered(name):
+    env = gymnasium.make(GYM_IDS[name])
     observation, info = env.reset(seed=0)
     assert isinstance(observation, str) and observation
     assert env.observation_space.contains(observation)
@@ -58,10 +59,10 @@ def test_unknown_tool_is_an_error_observation():
     assert info["error"] and "unknown tool 'jump'" in observation
 
 
-@pytest.mark.parametrize("env_id", BUNDLED_IDS)
-def test_gymnasium_env_checker_passes_every_bundled_environment(env_id):
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_gymnasium_env_checker_passes_every_bundled_environment(name):
     # Through gymnasium.make: check_env compares seeded resets only when the env has a spec.
-    env = gymnasium.make(env_id).unwrapped
+    env = gymnasium.make(GYM_IDS[name]).unwrapped
     assert env.spec is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a checker warning fails the test too
@@ -71,26 +72,30 @@ def test_gymnasium_env_checker_passes_every_bundled_environment(env_id):
 
 # One tool call whose result depends on the episode's hidden state (the word, the target...).
 PROBES = {
-    "toolgym/IncrementEnv-v0": call("increment", step=1),
-    "toolgym/WordGuessEnv-v0": call("guess", word="crane"),
-    "toolgym/CalculatorEnv-v0": call("submit_answer", answer="1"),
-    "toolgym/PythonExecEnv-v0": call("run_code", code="pass"),
-    "toolgym/GridWorldEnv-v0": call("step", action="down"),
+    "counter": call("increment", step=1),
+    "wordle": call("guess", word="crane"),
+    "calculator": call("submit_answer", answer="1"),
+    "python": call("run_code", code="pass"),
+    "gridworld": call("step", action="down"),
 }
 
 
-@pytest.mark.parametrize("env_id", BUNDLED_IDS)
-def test_same_seed_same_episode_and_other_seeds_differ(env_id):
-    env = gymnasium.make(env_id)
+def test_every_bundled_environment_has_a_probe():
+    assert set(PROBES) == set(BUNDLED)
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_same_seed_same_episode_and_other_seeds_differ(name):
+    env = gymnasium.make(GYM_IDS[name])
 
     def episode(seed: int) -> tuple[str, str, float]:
         prompt, _ = env.reset(seed=seed)
-        observation = env.step(PROBES[env_id])[0]
+        observation = env.step(PROBES[name])[0]
         return prompt, observation, env.step("done")[1]
 
     runs = {seed: episode(seed) for seed in range(8)}
     assert episode(3) == runs[3] and episode(0) == runs[0]
-    if env_id != "toolgym/GridWorldEnv-v0":  # FrozenLake's fixed 4x4 map has one start state
+    if name != "gridworld":  # FrozenLake's fixed 4x4 map has one start state
         assert len(set(runs.values())) > 1, "every seed gave the same episode: the seed is ignored"
     env.close()
 
