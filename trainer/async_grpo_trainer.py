@@ -19,7 +19,7 @@ import json
 import logging
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,7 +43,7 @@ from trainer.reporting import CompletionRecord, report_completions
 from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.prompt_order import first_row_columns, is_stream
+from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
@@ -70,6 +70,7 @@ from trainer.vllm.server_info import candidate_path, dtype_mismatch, read_server
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
 logger = logging.getLogger(__name__)
+MAX_PROMPTS_CHECKED = 100_000  # a bigger dataset's later rows are checked where the worker reads them
 
 
 def _check_picklable(**objects: Any) -> None:
@@ -89,20 +90,34 @@ def _check_picklable(**objects: Any) -> None:
 
 
 def _validate_dataset(dataset: Any, has_env: bool) -> None:
+    """Refuse, before anything starts, a dataset the worker could not generate from.
+
+    Every prompt of a map-style dataset is checked (up to ``MAX_PROMPTS_CHECKED``), so a bad row fails
+    here naming itself rather than in the worker mid-run; a stream's first row is checked here and
+    every row where the worker reads it.
+    """
     if dataset is None:
         return
+    streaming = is_stream(dataset)
+    if not streaming and len(dataset) == 0:
+        raise ConfigError("train_dataset is empty: give it at least one row")
+    if streaming and next(iter(dataset), None) is None:
+        raise ConfigError("train_dataset (a stream) yielded no row: give it at least one")
     columns = first_row_columns(dataset)
     if "prompt" not in columns:
         if not has_env:
             raise ConfigError(f"train_dataset has no 'prompt' column (columns: {columns}); give conversational "
                               "prompts, or an environment_factory whose reset() returns the prompt")
         return
-    first = next(iter(dataset))["prompt"]
-    ok = isinstance(first, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in first)
-    if not ok:
-        raise ConfigError("train_dataset's 'prompt' must be conversational: a list of {'role': ..., 'content': ...} "
-                          f"messages, e.g. [{{'role': 'user', 'content': 'What is 2+2?'}}]; got {first!r:.200}")
-    refuse_image_parts(first)  # the first prompt here; every prompt again where the worker renders it
+    if streaming:
+        prompts: Iterable[Any] = [next(iter(dataset))["prompt"]]
+    elif hasattr(dataset, "column_names"):  # a datasets.Dataset: read the one column, not whole rows
+        prompts = dataset.select(range(min(len(dataset), MAX_PROMPTS_CHECKED)))["prompt"]
+    else:
+        prompts = (dataset[i]["prompt"] for i in range(min(len(dataset), MAX_PROMPTS_CHECKED)))
+    for index, prompt in enumerate(prompts):
+        check_prompt(prompt, f"train_dataset row {index}")
+        refuse_image_parts(prompt)  # every prompt again where the worker renders it
 
 
 class _PipelineCallback(TrainerCallback):

@@ -8,12 +8,13 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tests.trainer.events import StopOnceLogged
@@ -196,13 +197,29 @@ def test_unpicklable_reward_is_refused_at_train(tiny_model_dir: Path, tmp_path: 
         trainer.train()
 
 
+def _no_rows() -> Iterator[dict[str, Any]]:
+    yield from ()
+
+
 @pytest.mark.parametrize("bad, message", [
     (Dataset.from_dict({"question": ["hi"]}), "no 'prompt' column"),
     (Dataset.from_dict({"prompt": ["plain text"]}), "must be conversational"),
+    (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+    # Only the first row was checked once: a later plain-string prompt ended the run mid-way with a Jinja error.
+    ([{"prompt": [{"role": "user", "content": "hi"}]}] * 5 + [{"prompt": "plain"}],
+     r"train_dataset row 5: 'prompt' must be conversational.*got 'plain'"),
+    (IterableDataset.from_generator(_no_rows), "yielded no row"),
 ])
-def test_bad_dataset_is_refused(tiny_model_dir: Path, tmp_path: Path, bad: Dataset, message: str) -> None:
+def test_bad_dataset_is_refused(tiny_model_dir: Path, tmp_path: Path, bad: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=token_reward, train_dataset=bad,
+                         args=_config(tmp_path, "http://127.0.0.1:9"))
+
+
+@pytest.mark.parametrize("model", ["./no/such/model", "outputs/run/checkpoint-5", "/no/such/dir"])
+def test_a_model_path_that_does_not_exist_is_named(tmp_path: Path, model: str) -> None:
+    with pytest.raises(ConfigError, match=f"model '{model}' is not a directory on this machine"):
+        AsyncGRPOTrainer(model=model, reward_funcs=token_reward, train_dataset=_dataset(),
                          args=_config(tmp_path, "http://127.0.0.1:9"))
 
 

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from trainer.exceptions import RolloutWorkerError
+from trainer.exceptions import ConfigError, RolloutWorkerError
 
 PromptRow = tuple[int, int, dict[str, Any], int]
 """(position, row_index, row, epoch): ``row_index`` is the row's index in the dataset (its offset in
@@ -38,6 +38,24 @@ def first_row_columns(dataset: Any) -> list[str]:
         first = next(iter(dataset), None)
         columns = list(first) if isinstance(first, dict) else []
     return list(columns or [])
+
+
+def check_prompt(prompt: Any, where: str) -> None:
+    """Refuse a prompt that is not a conversation (a list of ``{"role", "content"}`` messages).
+
+    Args:
+        prompt: A dataset row's ``prompt`` value.
+        where: Names the row in the error, e.g. ``"train_dataset row 17"``.
+
+    Raises:
+        ConfigError: naming the row and showing the start of what it holds.
+    """
+    ok = (isinstance(prompt, list) and bool(prompt)
+          and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+    if not ok:
+        raise ConfigError(f"{where}: 'prompt' must be conversational, a non-empty list of "
+                          "{'role': ..., 'content': ...} messages, e.g. [{'role': 'user', 'content': 'What is "
+                          f"2+2?'}}]; got {prompt!r:.200}")
 
 
 def map_style_rows(dataset: Any, seed: int, start_position: int) -> Iterator[PromptRow]:

@@ -12,12 +12,16 @@ no state for them), and the weight sync leaves them out (``trainer.sync.gather.P
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
+from trainer.exceptions import ConfigError
+
 __all__ = [
+    "check_model_path",
     "freeze_outside_language_model",
     "is_vision_language",
     "language_model_parameter_names",
@@ -30,6 +34,17 @@ def is_vision_language(config: object) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def check_model_path(model_id: str) -> None:
+    """Refuse a model that names a local directory which does not exist, saying so (see :func:`load_model`)."""
+    path = Path(model_id).expanduser()
+    looks_local = path.is_absolute() or model_id.startswith((".", "~")) or model_id.count("/") > 1
+    if looks_local and not path.exists():
+        raise ConfigError(f"model {model_id!r} is not a directory on this machine (it reads as a local path, "
+                          "not a hub id like 'Qwen/Qwen3-0.6B'): check the path")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"model {model_id!r} is a file; give the directory that holds its config.json")
+
+
 def load_model(model_id: str, *, trust_remote_code: bool = False, **init_kwargs: object) -> PreTrainedModel:
     """Load ``model_id`` with the Auto class its config needs (see the module docstring).
 
@@ -37,7 +52,12 @@ def load_model(model_id: str, *, trust_remote_code: bool = False, **init_kwargs:
         model_id: A hub id or a local directory.
         trust_remote_code: Passed to ``from_pretrained``.
         **init_kwargs: ``model_init_kwargs`` (dtype, revision, ...), passed to ``from_pretrained``.
+
+    Raises:
+        ConfigError: ``model_id`` reads as a local path (absolute, ``./``, ``~``, or more than one ``/``)
+            and no such directory exists (transformers would call it a malformed hub id).
     """
+    check_model_path(model_id)
     config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code,
                                         revision=init_kwargs.get("revision"))
     auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
