@@ -1,4 +1,4 @@
-"""The counter environment of the source document: reach a target by calling ``increment``.
+"""The counter environment of TRL's AsyncGRPOTrainer docs: reach a target by calling ``increment``.
 
 With a dataset, the row's ``target`` column arrives in ``reset(target=...)``; without one the
 environment samples its own target and returns the prompt.

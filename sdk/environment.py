@@ -1,7 +1,7 @@
 """The environment contract: what a class must offer to be trained against and served.
 
 Subclassing ``Environment`` is optional: any class with the same shape works (duck typing), as in
-the source document's ``IncrementEnv``. The base class exists to write the contract down once.
+TRL's AsyncGRPOTrainer docs' ``IncrementEnv``. The base class exists to write the contract down once.
 """
 
 from __future__ import annotations

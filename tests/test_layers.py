@@ -1,6 +1,6 @@
 """The import graph runs one way: each layer imports only the layers below it (docs/architecture.md).
 
-Read from the source (every ``import``, lazy ones inside functions included), so an arrow back up a
+Read from the code (every ``import``, lazy ones inside functions included), so an arrow back up a
 layer fails here even when no test happens to execute it.
 """
 

@@ -91,7 +91,7 @@ def _check_routing(environment_factory: Any, train_dataset: Any) -> None:
 
 def check_construction(*, reward_funcs: Any, args: Any, train_dataset: Any, peft_config: Any,
                        environment_factory: Any) -> None:
-    """Raise :class:`~trainer.exceptions.ConfigError` for a combination the source refuses (module docstring)."""
+    """Raise :class:`~trainer.exceptions.ConfigError` for a combination the trainer refuses (module docstring)."""
     _check_reward_funcs(reward_funcs)
     if getattr(args, "use_liger_kernel", False):
         raise ConfigError("use_liger_kernel=True is not supported: the loss computes its log-probs through its own "

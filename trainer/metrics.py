@@ -1,4 +1,4 @@
-"""Metrics over a logging window, with the source's aggregation rules (SPEC §9).
+"""Metrics over a logging window, with their aggregation rules (as in TRL's AsyncGRPOTrainer).
 
 Within a window (everything recorded since the last log):
 

@@ -1,4 +1,4 @@
-"""The logging window's aggregation rules (SPEC §9)."""
+"""The logging window's aggregation rules (docs/multiturn.md, "Metrics from your own hooks")."""
 
 from __future__ import annotations
 

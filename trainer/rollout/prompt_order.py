@@ -10,7 +10,7 @@ what the trainer's epoch progress and a checkpoint's ``rollout_state.json`` reco
   reshuffles each epoch). Its size is known once the first pass ends and is reported then, before
   any prompt of the second pass is produced, so the trainer can count epochs in distinct prompts as
   for a map-style dataset. A stream cannot be repositioned: a resumed run starts it again from its
-  first prompt (the source's rule).
+  first prompt (as TRL's AsyncGRPOTrainer does).
 """
 
 from __future__ import annotations

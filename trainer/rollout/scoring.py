@@ -44,7 +44,7 @@ def reward_func_name(func: RewardFunc) -> str:
 def finite_reward(value: Any, source: str) -> float | None:
     """``value`` as a float, or ``None`` (unscorable by this source) when it is ``None`` or not finite.
 
-    A non-finite reward is a bug in its source, not a score: it is warned about, naming the source, and
+    A non-finite reward is a bug in what produced it, not a score: it is warned about, naming it, and
     the rollout is scored by its other sources only.
     """
     if value is None:

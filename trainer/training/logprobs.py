@@ -1,8 +1,8 @@
 """Trainer log-probabilities of a packed row, computed in chunks through the LM head.
 
 For each trained token t (predicted at row position ``pred_index[t]``) this gives, at the sampling
-temperature and renormalised over the token's top-k/top-p candidate set when it has one (SPEC §6):
-``log p(target)``, ``log p(v)`` for the sampler's top-K ids v (score centering, SPEC §4), and the
+temperature and renormalised over the token's top-k/top-p candidate set when it has one (docs/loss.md):
+``log p(target)``, ``log p(v)`` for the sampler's top-K ids v (score centering, docs/loss.md), and the
 entropy of the distribution. Only the trained positions' hidden states go through the LM head, a
 chunk at a time; never a (tokens x vocab) tensor. Two ways:
 

@@ -1,4 +1,4 @@
-"""The GRPO loss of SPEC §4: score centering with masked importance sampling, or the clipped surrogate.
+"""The GRPO loss of docs/loss.md: score centering with masked importance sampling, or the clipped surrogate.
 
 The equations, their derivation and the properties the tests check are written once, in
 ``docs/loss.md``; the code below names its tensors after them. References: masked importance
@@ -7,7 +7,7 @@ arXiv:2402.03300) with DAPO's ``epsilon_high`` (Yu et al. 2025, arXiv:2503.14476
 
 Metrics come back as raw sums, counts and extremes: :data:`STAT_REDUCTIONS` says how to combine
 them across rows, processes, micro-batches and logging windows, and :func:`loss_metrics` turns the
-combined statistics into the source's metric names.
+combined statistics into the metric names of TRL's AsyncGRPOTrainer.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _score_centered_objective(
 
 
 def _token_losses(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> torch.Tensor:
-    """L_t of SPEC §4 for each trained token (T,): a function of token t's own log-probs only."""
+    """L_t of docs/loss.md for each trained token (T,): a function of token t's own log-probs only."""
     logp = logps.logp  # (T,) log p_y, differentiable
     logq = row.sampler_logprobs  # (T,) log q_y from the sampler
     A = row.advantages  # (T,)
@@ -108,7 +108,7 @@ def _token_losses(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> torch.
 def grpo_loss(
     logps: RowLogProbs, row: PackedRow, cfg: LossConfig, num_trained_global: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one row (SPEC §4, ``docs/loss.md``) and its raw metric statistics.
+    """The loss of one row (``docs/loss.md``) and its raw metric statistics.
 
     Args:
         logps: Trainer log-probs of the row's trained tokens (:func:`trainer.training.logprobs.forward_packed`).
@@ -187,7 +187,7 @@ def _stats(logps: RowLogProbs, row: PackedRow, cfg: LossConfig) -> dict[str, tor
         "clip_low_frac_min": low_frac[has_tokens].min() if has_tokens.any() else inf,
         "clip_high_frac_max": high_frac[has_tokens].max() if has_tokens.any() else -inf,
     }
-    if cfg.score_centering:  # the source logs sampler_mass only then
+    if cfg.score_centering:  # sampling/sampler_mass is logged only then, as in TRL's AsyncGRPOTrainer
         stats["sampler_mass_sum"] = (row.sampler_topk_logprobs.exp() * row.sampler_topk_valid).sum()  # sum_t Q_H
     return {k: v.detach().float() for k, v in stats.items()}
 

@@ -2,9 +2,9 @@
 
 A row is a prefix trie of its samples, not a concatenation: a token that several samples share is
 forwarded once, and attention still shows each sample exactly its own history (the DFS intervals
-below; see ``docs/packing.md`` and SPEC §5). Nodes are keyed on *(token, next token)*: a position
+below; see ``docs/packing.md``). Nodes are keyed on *(token, next token)*: a position
 predicts one token, so two samples share a position only when they also agree on what follows it.
-With two rollouts ``p1 p2 p3 a1 a2`` and ``p1 p2 p3 b1 b2`` that gives the source's 8-token row
+With two rollouts ``p1 p2 p3 a1 a2`` and ``p1 p2 p3 b1 b2`` that gives the 8-token row of ``docs/packing.md``
 ``p1 p2 | p3 a1 a2 | p3 b1 b2`` with positions ``0 1 | 2 3 4 | 2 3 4``.
 
 The layout is depth-first (pre-order), with ``position_ids`` = depth. Node ``k`` is an ancestor of
@@ -34,7 +34,7 @@ class PackedRow:
     Per forwarded token (N of them, in depth-first order): ``input_ids``, ``position_ids`` (= depth
     in the trie), ``dfs_enter``/``dfs_leave`` (key ``k`` is visible to query ``q`` iff
     ``dfs_enter[k] <= dfs_enter[q] < dfs_leave[k]``) and ``segment_ids`` (a segment is a run of
-    nodes without branching, the ``S0 | S1 | S2`` of the source's example).
+    nodes without branching, the ``S0 | S1 | S2`` of the example in ``docs/packing.md``).
 
     Per trained token (T of them, sample by sample): ``pred_index`` (row index of the position that
     predicts it), ``target_ids``, ``advantages``, ``sampler_logprobs`` (log q of the target),
@@ -394,7 +394,7 @@ class _PlannedRow:
 
 
 class RowPlanner:
-    """Fill one row per process for a micro-batch, under a token budget (SPEC §5).
+    """Fill one row per process for a micro-batch, under a token budget (``docs/packing.md``).
 
     Placement of each sample, in order of preference: the row that already holds its group (its
     prompt is there already); a row that is still empty (every process should get work); for a

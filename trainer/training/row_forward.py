@@ -1,6 +1,6 @@
 """The forward of a row: tree-packed through tree attention, or each sample on its own (``packing="per_sample"``).
 
-With tree packing (the default, SPEC §5) a row is a prefix trie forwarded as one sequence, and every
+With tree packing (the default, ``docs/packing.md``) a row is a prefix trie forwarded as one sequence, and every
 layer reads the trie's layout (:func:`trainer.training.tree_attention.packed_hidden_states`). Layers that
 cannot (Mamba2 and other state-space layers, short convolutions, attention sinks) are refused there;
 such a model trains with ``AsyncGRPOConfig(packing="per_sample")``: rows share nothing (each sample is

@@ -1,4 +1,4 @@
-"""Scoring a group (SPEC §3): reward sums, group advantages, the drop rule, calling reward functions."""
+"""Scoring a group (docs/loss.md): reward sums, group advantages, the drop rule, calling reward functions."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_sharded_run_trains_and_ranks_agree(fsdp_run: Path, tiny_model_dir: Path
         assert p.shape == initial[name].shape, name  # gathered in full, not a shard
         assert torch.equal(p, params[1][name]), name
     assert any(not torch.equal(p, initial[name].detach()) for name, p in params[0].items())
-    for log in records[0]["logs"]:  # the source's two step metrics that were never logged before
+    for log in records[0]["logs"]:  # the two step metrics that were never logged before
         assert 0 < log["perf/fwd_s"] < log["perf/fwd_bwd_s"]
         assert log["batch/groups_per_step"] >= 1
 

@@ -1,4 +1,4 @@
-"""The loss of SPEC §4: score centering properties, masks, the clipped surrogate, normalisation, metrics."""
+"""The loss of docs/loss.md: score centering properties, masks, the clipped surrogate, normalisation, metrics."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_p_equal_q_is_plain_reinforce() -> None:
 
 
 def literal_loss(logps: RowLogProbs, row: PackedRow, cfg: LossConfig, n: int) -> torch.Tensor:
-    """SPEC §4's score-centering formula written literally, one token at a time (the reference)."""
+    """docs/loss.md's score-centering formula written literally, one token at a time (the reference)."""
 
     def w(x: float) -> float:
         return x if cfg.clip_min <= x <= cfg.clip_max else 0.0

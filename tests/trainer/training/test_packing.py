@@ -1,4 +1,4 @@
-"""Tree packing: the trie layout (the source's worked example, random invariants) and the row planner."""
+"""Tree packing: the trie layout (the worked example of docs/packing.md, random invariants) and the row planner."""
 
 from __future__ import annotations
 
