@@ -3,10 +3,11 @@
 Each subcommand lives in the package that owns it and is imported only when chosen, so
 ``toolgym serve`` never imports torch and ``toolgym --help`` answers instantly::
 
-    toolgym tiny-model OUT [--seed N]          build the tiny local model (toolgym.kit.tiny_model)
+    toolgym tiny-model OUT [--family NAME]     build the tiny local model (toolgym.cli.tiny_model)
     toolgym vllm MODEL [--port P] [-- FLAGS]   start a vLLM server with the trainer's flags
     toolgym serve MODULE:Class [...]           host environments on the env server
-    toolgym train [CONFIG.yaml] [--field v]    run asynchronous GRPO training
+    toolgym train [--config C.yaml] [--field v] run asynchronous GRPO training
+    toolgym init NAME                          a new environment project (test, serve, train)
     toolgym demo                               the main job: build, serve, train, report
 """
 
@@ -19,11 +20,12 @@ from types import FrameType
 
 # subcommand -> (module, function taking argv, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "tiny-model": ("toolgym.kit.tiny_model", "main", "build the tiny local model and tokenizer"),
+    "tiny-model": ("toolgym.cli.tiny_model", "main", "build the tiny local model and tokenizer of a family"),
     "vllm": ("toolgym.launch.vllm_server", "main", "start a vLLM server with the flags the trainer needs"),
     "serve": ("envserver.cli", "main", "host environment classes on the env server"),
     "train": ("toolgym.cli.train", "main", "run asynchronous GRPO training from a config"),
     "demo": ("toolgym.cli.demo", "main", "the main job: tiny model, vLLM, env server, training"),
+    "init": ("toolgym.cli.init", "main", "create a new environment project: test, serve, train"),
 }
 
 

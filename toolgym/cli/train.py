@@ -3,7 +3,7 @@
 Every ``AsyncGRPOConfig`` field is a flag (``--learning_rate 1e-5``) and a YAML key; the run's own
 settings (:class:`RunArguments`) sit beside them::
 
-    toolgym train run.yaml
+    toolgym train --config run.yaml      (or: toolgym train run.yaml)
     toolgym train --model .cache/tiny-model --dataset prompts.jsonl --reward_funcs trainer.rewards:accuracy_reward \
         --launch_vllm --output_dir out --max_steps 50
     toolgym train --model M --environment environments.counter:IncrementEnv --launch_envserver --max_steps 50
@@ -75,7 +75,7 @@ def build_parser() -> HfArgumentParser:
         # DataClassType is NewType("DataClassType", Any) in transformers: no class passes as one without a cast.
         (RunArguments, AsyncGRPOConfig),  # type: ignore[arg-type]
         prog="toolgym train", allow_abbrev=False, exit_on_error=False,
-        usage="toolgym train [CONFIG.yaml] [--field value ...]",
+        usage="toolgym train [--config CONFIG.yaml] [--field value ...]",
         description="Asynchronous GRPO training from a YAML file and/or flags (flags override the file).",
     )
 
@@ -85,7 +85,7 @@ def _known_fields(parser: HfArgumentParser) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[RunArguments, AsyncGRPOConfig]:
-    """YAML file (optional first argument) + ``--field value`` flags -> (run args, config).
+    """YAML file (``--config FILE`` or the first argument) + ``--field value`` flags -> (run args, config).
 
     Raises:
         ConfigError: a missing file, an unknown field (with close names), no model, or a config that
@@ -94,6 +94,10 @@ def parse_args(argv: list[str]) -> tuple[RunArguments, AsyncGRPOConfig]:
     parser = build_parser()
     known = _known_fields(parser)
     rest = list(argv)
+    for flag in ("--config",):  # --config FILE is the first argument's other spelling
+        if flag in rest[:-1]:
+            at = rest.index(flag)
+            rest = [rest[at + 1]] + rest[:at] + rest[at + 2:]
     if rest and not rest[0].startswith("-"):
         path = Path(rest.pop(0))
         if not path.is_file():
