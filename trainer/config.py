@@ -21,6 +21,7 @@ import torch
 from transformers import TrainingArguments
 
 from trainer.exceptions import ConfigError
+from trainer.trl_fields import refuse_trl_fields
 
 # The source's activation_checkpointing / activation_checkpointing_kwargs fields are TrainingArguments'
 # from transformers 5.23 on (inherited here); before, gradient_checkpointing* are the same settings.
@@ -278,6 +279,11 @@ class AsyncGRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Most completions shown per log when log_completions; None: all of them."}
     )
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> AsyncGRPOConfig:
+        # Before the generated __init__, which would answer a TRL-only name with a bare TypeError.
+        refuse_trl_fields(kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.bf16 is None:

@@ -33,6 +33,7 @@ from sdk.loading import did_you_mean
 from toolgym.launch.envserver import EnvServerProcess
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
+from trainer.trl_fields import refuse_trl_fields
 
 
 @dataclass
@@ -105,6 +106,7 @@ def parse_args(argv: list[str]) -> tuple[RunArguments, AsyncGRPOConfig]:
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of field: value")
+        refuse_trl_fields(loaded)
         for key in loaded:
             if key not in known:
                 raise ConfigError(f"unknown field {key!r} in {path}{did_you_mean(key, known)}")
@@ -116,6 +118,7 @@ def parse_args(argv: list[str]) -> tuple[RunArguments, AsyncGRPOConfig]:
         raise ConfigError(str(exc)) from None
     if unknown:
         name = unknown[0].lstrip("-").replace("-", "_").partition("=")[0]
+        refuse_trl_fields([name])
         raise ConfigError(f"unknown argument {unknown[0]!r}{did_you_mean(name, known)}")
     values = vars(namespace)
     if not values.get("model"):
