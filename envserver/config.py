@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from typing import Any
 
@@ -26,8 +27,12 @@ class ServerConfig:
         "127.0.0.1", "Interface to bind. 127.0.0.1 by default: exposing the server is a deliberate act.")
     port: int = _setting(8765, "TCP port; 0 picks a free one (the bound port is then reported by the server).")
     token: str | None = _setting(
-        None, "Bearer token required on every route (HTTP and WebSocket); None disables auth. The CLI "
-        "defaults it to the TOOLGYM_TOKEN environment variable.")
+        None, "Bearer token required on every route (HTTP and WebSocket); None disables auth, which a host "
+        "beyond loopback refuses unless no_auth is set. The CLI defaults it to the TOOLGYM_TOKEN environment "
+        "variable; an empty token is an error, never 'auth off'.")
+    no_auth: bool = _setting(
+        False, "Serve a host beyond loopback (0.0.0.0, a LAN address) without a token: anyone who reaches the "
+        "port can then run the hosted environments. Refused without this flag; warned about at every start.")
     max_sessions: int = _setting(
         1024, "Sessions alive at once (attached or awaiting resume). Past it, new sessions wait in a queue.")
     max_waiting: int = _setting(
@@ -91,7 +96,25 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.token is not None and not self.token:
-            raise ServerConfigError("token must be non-empty; pass None to disable auth")
+            raise ServerConfigError("token must be non-empty (an empty --token or TOOLGYM_TOKEN is a mistake, not "
+                                    "'auth off'); give a secret, or leave it unset on a loopback host")
+        if self.token is not None and self.no_auth:
+            raise ServerConfigError("no_auth and a token contradict each other: drop one")
+        if self.token is None and not self.no_auth and not self.loopback_only:
+            raise ServerConfigError(
+                f"host {self.host!r} listens beyond this machine and no token is set: anyone who reaches the port "
+                "could run the hosted environments. Pass --token SECRET (or set TOOLGYM_TOKEN), or --no_auth to "
+                "serve without authentication anyway")
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether ``host`` is reachable from this machine only (``localhost`` or a loopback address)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name other than localhost: it may resolve anywhere
+            return False
 
     @property
     def hard_frame_limit(self) -> int:
