@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LINTED = ["sdk", "envserver", "environments", "trainer", "toolgym", "tests", "bench", "examples", "scripts"]
 
@@ -24,6 +26,7 @@ def test_ruff_reports_nothing() -> None:
     assert result.returncode == 0, f"ruff check failed:\n{result.stdout}{result.stderr}"
 
 
+@pytest.mark.slow  # 20 s with a warm cache, minutes on a clean clone
 def test_mypy_strict_reports_nothing() -> None:
     result = _run("mypy", timeout_s=540)  # the packages and the strictness come from [tool.mypy]
     assert result.returncode == 0, f"mypy failed:\n{result.stdout}{result.stderr}"

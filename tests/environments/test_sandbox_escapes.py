@@ -14,6 +14,8 @@ import pytest
 
 from environments.sandbox import Limits, run_python
 
+pytestmark = pytest.mark.slow  # each escape is a sandboxed interpreter run: about a minute in all
+
 LIMITS = Limits(wall_seconds=30.0)  # generous: CI machines are busy
 PROJECT = str(Path(__file__).resolve().parents[2])
 

@@ -101,6 +101,7 @@ def echo_server():
     thread.join(10)
 
 
+@pytest.mark.slow  # the whole Autobahn fuzzing-client suite: about 70 s
 def test_autobahn_fuzzingclient_finds_no_failed_case(echo_server, tmp_path):
     python2 = _python2()
     if python2 is None:

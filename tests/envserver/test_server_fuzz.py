@@ -87,6 +87,7 @@ LYING_LENGTH = st.builds(  # a header claiming more (or an absurd amount) than f
     st.sampled_from([1 << 20, 1 << 40, (1 << 63) + 5, (1 << 64) - 1]))
 
 
+@pytest.mark.slow  # about 15 s of examples
 @FUZZ
 @given(st.lists(st.one_of(FRAMES, FRAMES, FRAMES, LYING_LENGTH), min_size=1, max_size=8))
 def test_any_frames_then_close_end_with_a_close_frame_from_the_server(target, frames):

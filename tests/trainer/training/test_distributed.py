@@ -26,6 +26,8 @@ from trainer.records import TrainingSample, TrainingSequence
 from trainer.training.batching import MicroBatch
 from trainer.training.packing import build_row
 
+pytestmark = pytest.mark.slow  # every test starts two or more processes (10-40 s each)
+
 
 def _sample(ids: list[int], trained_from: int, advantage: float, group: int) -> TrainingSample:
     n = len(ids)

@@ -72,6 +72,7 @@ fsdp_config:
 """
 
 
+@pytest.mark.slow  # two processes under accelerate launch: about 20 s
 @pytest.mark.timeout(600)
 def test_accelerate_launch_with_an_fsdp2_config_file_shards_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The accelerate config file route (no ``fsdp`` field in the trainer's config): accelerate makes

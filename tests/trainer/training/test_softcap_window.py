@@ -81,6 +81,7 @@ def test_window_mask_hides_keys_beyond_the_window_along_the_path() -> None:
     assert (tree & ~windowed).any()  # the window did hide something
 
 
+@pytest.mark.slow  # flex attention compiles its block mask: about 12 s
 def test_flex_window_block_mask_matches_the_dense_mask() -> None:
     """Compiled FlexAttention (CPU forward) with the windowed BlockMask and the soft-cap score_mod."""
     samples = [s for seed in range(12) for s in long_branches(seed)]
