@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import logging
 import sys
+from typing import Any
 
 from transformers import HfArgumentParser
 
@@ -23,6 +24,7 @@ from envserver.config import ServerConfig, token_from_env
 from envserver.registry import parse_specs
 from envserver.server import EnvServer
 from sdk.exceptions import ToolgymError
+from sdk.loading import parse_env_kwargs
 
 
 def build_parser() -> HfArgumentParser:
@@ -41,6 +43,9 @@ def build_parser() -> HfArgumentParser:
     parser.add_argument("specs", nargs="+", metavar="[NAME=]MODULE:Class",
                         help="environment to host; repeat to host several under different names")
     parser.add_argument("--log_level", "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--env_kwargs", "--env-kwargs", default=None, metavar="JSON",
+                        help="constructor arguments per hosted name, a JSON object: "
+                             "'{\"GuessEnv\": {\"high\": 100}}' makes every GuessEnv session GuessEnv(high=100)")
     return parser
 
 
@@ -50,7 +55,10 @@ def parse_config(argv: list[str]) -> tuple[list[str], ServerConfig, str]:
     Raises:
         ServerConfigError: a setting ``ServerConfig`` refuses.
     """
-    args = vars(build_parser().parse_args(argv))
+    return _settings(vars(build_parser().parse_args(argv)))
+
+
+def _settings(args: dict[str, Any]) -> tuple[list[str], ServerConfig, str]:
     settings = {f.name: args[f.name] for f in dataclasses.fields(ServerConfig)}
     if settings["token"] is None:  # an empty --token "" stays empty: ServerConfig refuses it
         settings["token"] = token_from_env()
@@ -60,9 +68,11 @@ def parse_config(argv: list[str]) -> tuple[list[str], ServerConfig, str]:
 def main(argv: list[str]) -> int:
     """Run ``toolgym serve ARGV...`` in the foreground until SIGTERM/SIGINT; returns the exit status."""
     try:
-        names, config, log_level = parse_config(argv)
+        args = vars(build_parser().parse_args(argv))
+        names, config, log_level = _settings(args)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        specs = parse_specs(names)
+        env_kwargs = args["env_kwargs"]
+        specs = parse_specs(names, parse_env_kwargs(env_kwargs) if env_kwargs is not None else None)
     except ToolgymError as exc:  # a bad spec or setting, an environment refusing to load (no sandbox...)
         print(f"toolgym serve: {exc}", file=sys.stderr)
         return 2

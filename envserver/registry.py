@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from environments import BUNDLED
 from envserver.exceptions import EnvSpecError
 from envserver.validation import ArgumentValidator
 from sdk import protocol
-from sdk.loading import load_target
+from sdk.exceptions import EnvironmentArgumentsError
+from sdk.loading import load_target, with_arguments
 from sdk.tools import class_tool_schemas
 
 
@@ -59,7 +60,8 @@ class EnvSpec:
         """
         if not callable(factory):
             raise EnvSpecError(f"environment {name!r}: {factory!r} is not a class or a callable")
-        env_cls = factory if isinstance(factory, type) else type(factory())
+        bound = factory.func if isinstance(factory, functools.partial) else factory  # constructor arguments
+        env_cls = bound if isinstance(bound, type) else type(factory())
         if not callable(getattr(env_cls, "reset", None)):
             raise EnvSpecError(f"environment {name!r}: {env_cls.__qualname__} has no reset(**kwargs)")
         tools = {
@@ -83,13 +85,20 @@ class EnvSpec:
         return protocol.dumps(self.describe())
 
 
-def parse_specs(specs: Iterable[str]) -> dict[str, EnvSpec]:
+def parse_specs(specs: Iterable[str], arguments: Mapping[str, Mapping[str, Any]] | None = None,
+                ) -> dict[str, EnvSpec]:
     """Load ``[NAME=]module:Attr`` or bundled-name specs into a name -> ``EnvSpec`` table.
+
+    Args:
+        specs: The specs.
+        arguments: Constructor arguments per hosted name (``toolgym serve --env_kwargs``).
 
     Raises:
         SpecNotFoundError: a spec names no importable module or attribute ("did you mean" included).
         EnvSpecError: two specs claim the same name, or a target is not an environment.
+        EnvironmentArgumentsError: arguments for a name not hosted, or that its class does not take.
     """
+    arguments = dict(arguments or {})
     table: dict[str, EnvSpec] = {}
     for spec in specs:
         name, _, target = spec.rpartition("=")
@@ -97,7 +106,13 @@ def parse_specs(specs: Iterable[str]) -> dict[str, EnvSpec]:
         name = name or (target if target in BUNDLED else getattr(factory, "__name__", target))
         if name in table:
             raise EnvSpecError(f"two environments are named {name!r}; give one another name (NAME=module:Class)")
-        table[name] = EnvSpec.from_factory(name, factory)
+        kwargs = arguments.pop(name, {})
+        if not isinstance(kwargs, Mapping):
+            raise EnvironmentArgumentsError(f"--env_kwargs for {name!r} must be a JSON object; got {kwargs!r:.100}")
+        table[name] = EnvSpec.from_factory(name, with_arguments(factory, kwargs))
     if not table:
         raise EnvSpecError("no environment given; pass module:Class or one of " + ", ".join(sorted(BUNDLED)))
+    if arguments:
+        raise EnvironmentArgumentsError(f"--env_kwargs names {sorted(arguments)}, which this server does not host "
+                                        f"(it hosts {sorted(table)}): give arguments per hosted name")
     return table

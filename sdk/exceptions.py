@@ -12,6 +12,7 @@ so ``except ToolgymError`` catches anything toolgym raises on purpose. The SDK's
         │   └── UnsupportedTypeError           a missing or non-JSON type hint
         ├── EnvironmentCheckError          ``check_env`` found a broken environment contract
         ├── SpecNotFoundError              a ``module:Class`` spec names nothing importable
+        ├── EnvironmentArgumentsError      constructor arguments an environment does not take (or bad JSON)
         ├── ProtocolError                  a peer sent a frame that breaks docs/protocol.md
         ├── ServerUnavailableError         no server answered within the connect deadline
         └── RemoteError                    the server answered with a typed error (``code``, ``message``)
@@ -58,6 +59,10 @@ class UnsupportedTypeError(ToolDefinitionError):
 
 class EnvironmentCheckError(SDKError):
     """An environment breaks the contract that ``sdk.check_env`` verifies."""
+
+
+class EnvironmentArgumentsError(SDKError, ValueError):
+    """Constructor arguments (``--env_kwargs``) that are not JSON, or that the environment does not take."""
 
 
 class SpecNotFoundError(SDKError, LookupError):

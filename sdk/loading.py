@@ -8,15 +8,17 @@ mean"). Short names live in a registry that packages of environments fill when i
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
-from sdk.exceptions import SpecNotFoundError
+from sdk.exceptions import EnvironmentArgumentsError, SpecNotFoundError
 
 _NAMES: dict[str, str] = {}
 
@@ -65,6 +67,43 @@ def load_target(target: str) -> Callable[[], object]:
             raise SpecNotFoundError(f"{module_name} has no attribute {attr_path!r}" + did_you_mean(part, names))
         obj = getattr(obj, part)
     return cast("Callable[[], object]", obj)
+
+
+def parse_env_kwargs(text: str, flag: str = "--env_kwargs") -> dict[str, Any]:
+    """The JSON object of a ``--env_kwargs`` flag.
+
+    Raises:
+        EnvironmentArgumentsError: ``text`` is not JSON, or not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EnvironmentArgumentsError(f"{flag} must be a JSON object, e.g. '{{\"high\": 100}}': {exc}") from None
+    if not isinstance(value, dict):
+        raise EnvironmentArgumentsError(f"{flag} must be a JSON object, e.g. '{{\"high\": 100}}'; got {text!r:.100}")
+    return value
+
+
+def with_arguments(factory: Callable[..., object], arguments: Mapping[str, Any]) -> Callable[[], object]:
+    """``factory`` bound to constructor ``arguments``, checked against its signature now, not per episode.
+
+    Raises:
+        EnvironmentArgumentsError: naming the environment and the parameters it takes.
+    """
+    if not arguments:
+        return factory
+    name = getattr(factory, "__qualname__", repr(factory))
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return functools.partial(factory, **arguments)
+    try:
+        signature.bind(**arguments)
+    except TypeError as exc:
+        params = ", ".join(str(p.replace(annotation=inspect.Parameter.empty)) for p in signature.parameters.values())
+        raise EnvironmentArgumentsError(f"{name} cannot be made with {dict(arguments)}: {exc}; its parameters: "
+                                        f"{name}({params})") from None
+    return functools.partial(factory, **arguments)
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

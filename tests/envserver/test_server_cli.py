@@ -125,3 +125,16 @@ def test_sigterm_drains_then_exits():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_env_kwargs_make_every_session_of_a_hosted_name_with_them(capsys):
+    specs = parse_specs(["counter", "wordle"], {"counter": {"max_target": 2}})
+    assert specs["counter"].factory().max_target == 2 and specs["wordle"].factory().max_guesses == 6
+    for argv, message in [
+        (["counter", "--env_kwargs", '{"counter": {"high": 1}}'],
+         "IncrementEnv cannot be made with {'high': 1}: got an unexpected keyword argument 'high'"),
+        (["counter", "--env_kwargs", '{"wordle": {}}'], "--env_kwargs names ['wordle'], which this server does not"),
+        (["counter", "--env_kwargs", "not json"], "--env_kwargs must be a JSON object"),
+    ]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

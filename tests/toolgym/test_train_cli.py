@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,33 @@ def test_train_from_a_config_file_on_the_real_stack_writes_plots(
         assert path.read_bytes().startswith(PNG_SIGNATURE) and path.stat().st_size > 1000
         assert f"plot: {path}" in printed
     assert list(out.rglob("events.out.tfevents.*")), "report_to=tensorboard writes event files offline"
+
+
+def test_env_kwargs_bind_a_local_class_and_env_token_reaches_the_remote_factory(tmp_path: Path) -> None:
+    import contextlib
+
+    from toolgym.cli.train import _environment_factory
+
+    run, _ = parse_args(["--model", "m", "--environment", "counter", "--env_kwargs", '{"max_target": 2}'])
+    with contextlib.ExitStack() as stack:
+        env = _environment_factory(run, stack)()
+    assert env.max_target == 2
+    run, _ = parse_args(["--model", "m", "--environment", "http://127.0.0.1:9/IncrementEnv", "--env_token", "s3"])
+    with contextlib.ExitStack() as stack:
+        assert _environment_factory(run, stack).token == "s3"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--environment", "counter", "--env_kwargs", "{max_target: 2}"], "--env_kwargs must be a JSON object"),
+    (["--environment", "counter", "--env_kwargs", "[2]"], "--env_kwargs must be a JSON object"),
+    (["--environment", "counter", "--env_kwargs", '{"high": 100}'],
+     r"IncrementEnv cannot be made with \{'high': 100\}: got an unexpected keyword argument 'high'; its "
+     r"parameters: IncrementEnv\(max_target=6, seed=None\)"),
+    (["--environment", "http://127.0.0.1:9/IncrementEnv", "--env_kwargs", '{"max_target": 2}'],
+     "--env_kwargs cannot reach a remote environment"),
+])
+def test_bad_env_kwargs_are_refused_at_start_naming_the_class(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["--model", "m", *args]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
+from sdk.exceptions import ToolgymError
 from sdk.loading import did_you_mean
 from toolgym.launch.envserver import EnvServerProcess
 from trainer.config import AsyncGRPOConfig
@@ -56,7 +58,19 @@ class RunArguments:
     environment: str | None = field(
         default=None,
         metadata={"help": "Environment: 'module:Class' (or a bundled name like 'counter'), or an env server URL "
-                  "'ws://host:port/NAME' / 'http://host:port/NAME'."},
+                  "'ws://host:port/NAME' / 'http://host:port/NAME' (its token: --env_token)."},
+    )
+    env_token: str | None = field(
+        default=None,
+        metadata={"help": "Bearer token of the env server of a URL --environment; default: the TOOLGYM_TOKEN "
+                  "environment variable."},
+    )
+    env_kwargs: str | None = field(
+        default=None,
+        metadata={"help": "Constructor arguments of a 'module:Class' --environment, a JSON object: "
+                  "'{\"high\": 100}' makes each instance GuessEnv(high=100). With --launch_envserver they go to "
+                  "the launched server; a remote environment's are set where it is served "
+                  "(toolgym serve --env_kwargs)."},
     )
     launch_vllm: bool = field(default=False, metadata={"help": "Start a vLLM server on the model for this run."})
     vllm_max_model_len: int = field(default=2048, metadata={"help": "--max-model-len of a launched vLLM server."})
@@ -142,19 +156,27 @@ def _load_dataset(spec: str | None) -> Any:
 
 
 def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
+    """The run's ``environment_factory``; bad ``--env_kwargs`` fail here, before anything starts."""
     from sdk import load_target, remote_factory
+    from sdk.loading import parse_env_kwargs, with_arguments
 
     spec = run.environment
     if spec is None:
         return None
+    kwargs = parse_env_kwargs(run.env_kwargs) if run.env_kwargs is not None else {}
     if spec.startswith(("ws://", "wss://", "http://", "https://")):
+        if kwargs:
+            raise ConfigError("--env_kwargs cannot reach a remote environment: its constructor runs on the env "
+                              "server; pass them there (toolgym serve ... --env_kwargs '{\"NAME\": {...}}')")
         base, _, name = spec.rpartition("/")
-        return remote_factory(base, name)
+        return remote_factory(base, name, token=run.env_token)
+    factory = with_arguments(load_target(spec), kwargs)  # checked against the class's signature now
     if run.launch_envserver:
-        url = stack.enter_context(EnvServerProcess([spec])).url
-        cls = load_target(spec)
-        return remote_factory(url, getattr(cls, "__name__", spec.split(":")[-1]))
-    return load_target(spec)
+        name = getattr(load_target(spec), "__name__", spec.split(":")[-1])
+        args = ["--env_kwargs", json.dumps({name: kwargs})] if kwargs else []
+        url = stack.enter_context(EnvServerProcess([f"{name}={spec}"], args=args)).url
+        return remote_factory(url, name)
+    return factory
 
 
 def main(argv: list[str]) -> int:
@@ -173,6 +195,11 @@ def main(argv: list[str]) -> int:
     from trainer.reporting import PlotCallback, ProgressCallback
 
     with contextlib.ExitStack() as stack:
+        try:  # first: a bad --env_kwargs or --environment fails before a server is started
+            environment_factory = _environment_factory(run, stack)
+        except (ConfigError, ToolgymError) as exc:
+            print(f"toolgym train: {exc}", file=sys.stderr)
+            return 2
         if run.launch_vllm:
             server = stack.enter_context(VLLMServer(VLLMServerConfig(model=run.model,
                                                                      max_model_len=run.vllm_max_model_len)))
@@ -186,7 +213,7 @@ def main(argv: list[str]) -> int:
         trainer = AsyncGRPOTrainer(
             model=run.model, args=config, train_dataset=_load_dataset(run.dataset),
             reward_funcs=[load_target(r) for r in run.reward_funcs], tools=[load_target(t) for t in run.tools],
-            environment_factory=_environment_factory(run, stack),
+            environment_factory=environment_factory,
             callbacks=[ProgressCallback()] + ([plots] if run.plots else []),
         )
         trainer.remove_callback(PrinterCallback)  # the progress table replaces the raw log dicts
