@@ -21,13 +21,15 @@ ALLOWED: dict[str, set[str]] = {
     "trainer.shared": {"sdk", "trainer.shared"},
     # the vLLM server's clients and facts: used by the rollout worker and by the weight sync
     "trainer.vllm": {"trainer.shared", "trainer.vllm"},
-    "trainer.rollout": {"sdk", "trainer.shared", "trainer.vllm", "trainer.rollout"},
+    # what the trainer knows of each model family's chat format: used by the rollout worker and the trainers
+    "trainer.families": {"trainer.shared", "trainer.families"},
+    "trainer.rollout": {"sdk", "trainer.shared", "trainer.vllm", "trainer.families", "trainer.rollout"},
     "trainer.training": {"sdk", "trainer.shared", "trainer.training"},
     "trainer.sync": {"trainer.shared", "trainer.vllm", "trainer.sync"},
-    "trainer.api": {"sdk", "trainer.shared", "trainer.vllm", "trainer.rollout", "trainer.training", "trainer.sync",
-                    "trainer.api"},
-    "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.vllm", "trainer.rollout",
-                "trainer.training", "trainer.sync", "trainer.api", "toolgym"},
+    "trainer.api": {"sdk", "trainer.shared", "trainer.vllm", "trainer.families", "trainer.rollout", "trainer.training",
+                    "trainer.sync", "trainer.api"},
+    "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.vllm", "trainer.families",
+                "trainer.rollout", "trainer.training", "trainer.sync", "trainer.api", "toolgym"},
 }
 API = {"async_grpo_trainer", "harness_trainer", "construction_checks"}
 """The trainer's top modules that tie every layer together: the public trainers and their construction checks."""
@@ -43,7 +45,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if module == "trainer" or parts[1] in API:  # the public trainers and the package's lazy facade
         return "trainer.api"
-    if parts[1] in ("vllm", "rollout", "training", "sync"):
+    if parts[1] in ("vllm", "families", "rollout", "training", "sync"):
         return f"trainer.{parts[1]}"
     return "trainer.shared"
 

@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolgym.kit.tiny_model import VOCAB_SIZE, build_tiny_model, main
-from trainer.rollout.chat_template import (
-    EOS_TOKEN,
-    PAD_TOKEN,
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-)
+from toolgym.cli.tiny_model import main
+from toolgym.kit.tiny_model import VOCAB_SIZE, build_tiny_model
+from trainer.families import QWEN3
+
+EOS_TOKEN, PAD_TOKEN = QWEN3.stop_tokens[0], QWEN3.special_tokens[0]
+TOOL_CALL_START, TOOL_CALL_END = QWEN3.tokens[:2]
 
 
 def _digests(directory: Path) -> dict[str, str]:

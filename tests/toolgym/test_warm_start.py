@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 
 from environments.counter import IncrementEnv
-from toolgym.kit.tiny_model import build_tiny_model, main
+from toolgym.cli.tiny_model import main
+from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.kit.warm_start import (
     WarmStartConfig,
     evaluate,

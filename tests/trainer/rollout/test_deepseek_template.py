@@ -27,20 +27,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tests.trainer.rollout.test_training_templates import QWEN3_STYLE_STOCK
 from toolgym.kit.warm_start import counter_tools
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.families import DEEPSEEK_V3, QWEN3, template_text
 from trainer.records import TurnRecord
 from trainer.rollout.chat_template import (
-    DEEPSEEK_V3,
-    HERMES,
     build_assistant_message,
     check_prefix_preserving,
     parse_tool_calls,
     render_prompt_ids,
-    tool_call_format,
+    rollout_family,
 )
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.reconcile import reconcile_turns
-from trainer.rollout.training_templates import TRAINING_TEMPLATES, rollout_chat_template
+from trainer.rollout.training_templates import renders_like_stock, rollout_chat_template
 from trainer.rollout.worker import WorkerChannels
 
 DEEPSEEK_V3_STYLE_STOCK = r"""
@@ -113,7 +112,8 @@ EPISODE = [
     "Next." + _section(_call(3)),
     "<think>\nDone.\n</think>\n\nThe counter is 7.",
 ]
-TEMPLATE = next(t for t in TRAINING_TEMPLATES if t.family == "DeepSeek-V3")
+TEMPLATE = template_text(str(DEEPSEEK_V3.training_template))
+QWEN3_TRAINING = template_text(str(QWEN3.training_template))
 
 
 def _play(tokenizer: PreTrainedTokenizerBase, template: str | None) -> list[list[int]]:
@@ -136,8 +136,8 @@ def _extends(tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]) -> bo
 
 
 def test_the_format_follows_the_rendering_template(stock: PreTrainedTokenizerBase) -> None:
-    assert tool_call_format(DEEPSEEK_V3_STYLE_STOCK) == tool_call_format(TEMPLATE.text) == DEEPSEEK_V3
-    assert tool_call_format(TRAINING_TEMPLATES[0].text) == tool_call_format(None) == HERMES
+    assert rollout_family(DEEPSEEK_V3_STYLE_STOCK) is rollout_family(TEMPLATE) is DEEPSEEK_V3
+    assert rollout_family(QWEN3_TRAINING) is rollout_family(None) is QWEN3
 
 
 def test_deepseek_v3_style_stock_template_is_detected_and_replaced(stock: PreTrainedTokenizerBase,
@@ -146,7 +146,7 @@ def test_deepseek_v3_style_stock_template_is_detected_and_replaced(stock: PreTra
     assert not _extends(stock, _play(stock, None)), "the stock template drops the reasoning of earlier turns"
     with caplog.at_level(logging.INFO, logger="trainer.rollout.training_templates"):
         template = rollout_chat_template(stock, counter_tools())
-    assert template == TEMPLATE.text
+    assert template == TEMPLATE
     assert "DeepSeek-V3" in caplog.text and "deepseek_v3_training.jinja" in caplog.text
     assert stock.chat_template == DEEPSEEK_V3_STYLE_STOCK, "the tokenizer (and its checkpoints) keep the stock template"
     for tools in (counter_tools(), None):
@@ -158,22 +158,22 @@ def test_training_template_renders_the_prompt_and_final_turn_like_the_stock_one(
         stock: PreTrainedTokenizerBase) -> None:
     for messages in ([{"role": "user", "content": "Hi"}],
                      [{"role": "system", "content": "Count."}, {"role": "user", "content": "To 7."}]):
-        assert render_prompt_ids(stock, messages, None, TEMPLATE.text) == render_prompt_ids(stock, messages)
+        assert render_prompt_ids(stock, messages, None, TEMPLATE) == render_prompt_ids(stock, messages)
     # After tool results the generation prompt is the end of their section, as in the stock template.
-    prompts, stock_prompts = _play(stock, TEMPLATE.text), _play(stock, None)
+    prompts, stock_prompts = _play(stock, TEMPLATE), _play(stock, None)
     suffix = stock.encode("<｜tool▁output▁end｜><｜tool▁outputs▁end｜>", add_special_tokens=False)
     assert prompts[-1][-len(suffix):] == stock_prompts[-1][-len(suffix):] == suffix
     # The final answer rendered as the last message is the stock rendering (its reasoning cut).
     messages = [{"role": "user", "content": "To 7."}, build_assistant_message(EPISODE[-1], DEEPSEEK_V3)]
-    ours = stock.apply_chat_template(messages, chat_template=TEMPLATE.text, tokenize=False)
+    ours = stock.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False)
     assert ours == stock.apply_chat_template(messages, tokenize=False) and "Done." not in ours
 
 
 def test_each_family_gets_its_own_template(stock: PreTrainedTokenizerBase) -> None:
-    assert not TRAINING_TEMPLATES[0].matches(stock, counter_tools()), "the Qwen3 template does not fit DeepSeek's"
+    assert not renders_like_stock(QWEN3, stock, counter_tools()), "the Qwen3 template does not fit DeepSeek's"
     other = AutoTokenizer.from_pretrained(stock.name_or_path)
     other.chat_template = QWEN3_STYLE_STOCK
-    assert rollout_chat_template(other, counter_tools()) == TRAINING_TEMPLATES[0].text
+    assert rollout_chat_template(other, counter_tools()) == QWEN3_TRAINING
 
 
 def test_several_deepseek_calls_parse_in_order_and_rebuild_the_text() -> None:
@@ -280,5 +280,5 @@ def test_the_trainer_picks_the_deepseek_template_at_start(stock: PreTrainedToken
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "To 7."}]]})
     trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), args=config, train_dataset=dataset,
                                processing_class=stock, tools=[increment])
-    assert trainer.rollout_chat_template == TEMPLATE.text, "passed to the rollout loop"
+    assert trainer.rollout_chat_template == TEMPLATE, "passed to the rollout loop"
     assert trainer.processing_class.chat_template == DEEPSEEK_V3_STYLE_STOCK

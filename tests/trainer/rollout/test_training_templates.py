@@ -19,12 +19,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from toolgym.kit.warm_start import counter_tools
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.families import QWEN3, template_text
 from trainer.rollout.chat_template import (
     build_assistant_message,
     check_prefix_preserving,
     render_prompt_ids,
 )
-from trainer.rollout.training_templates import TRAINING_TEMPLATES, rollout_chat_template
+from trainer.rollout.training_templates import rollout_chat_template
+
+QWEN3_TRAINING = template_text(str(QWEN3.training_template))
 
 QWEN3_STYLE_STOCK = r"""
 {%- set ns = namespace(query=messages | length - 1, searching=true) -%}
@@ -131,7 +134,7 @@ def test_qwen3_style_stock_template_is_replaced(stock: PreTrainedTokenizerBase, 
                                                caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="trainer.rollout.training_templates"):
         template = rollout_chat_template(stock, counter_tools(), **kw)
-    assert template == TRAINING_TEMPLATES[0].text
+    assert template == QWEN3_TRAINING
     assert "Qwen3" in caplog.text and "training template" in caplog.text
     assert stock.chat_template == QWEN3_STYLE_STOCK, "the tokenizer (and its checkpoints) keep the stock template"
     assert check_prefix_preserving(stock, counter_tools(), template, **kw)
@@ -141,7 +144,7 @@ def test_qwen3_style_stock_template_is_replaced(stock: PreTrainedTokenizerBase, 
 @pytest.mark.parametrize("kw", THINKING)
 def test_training_template_renders_the_final_turn_like_the_stock_one(
         stock: PreTrainedTokenizerBase, kw: dict[str, Any]) -> None:
-    template = TRAINING_TEMPLATES[0].text
+    template = QWEN3_TRAINING
     # The first turn's prompt (generation prompt included), with and without tools and a system prompt.
     for messages in ([{"role": "user", "content": "Hi"}],
                      [{"role": "system", "content": "Count."}, {"role": "user", "content": "To 7."}]):
@@ -197,6 +200,6 @@ def test_trainer_chooses_the_rollout_template_at_start(stock: PreTrainedTokenize
     with caplog.at_level(logging.INFO, logger="trainer.rollout.training_templates"):
         trainer = AsyncGRPOTrainer(model=str(tiny_model_dir), args=config, train_dataset=dataset,
                                    processing_class=stock, tools=[increment])
-    assert trainer.rollout_chat_template == TRAINING_TEMPLATES[0].text, "passed to the rollout loop"
+    assert trainer.rollout_chat_template == QWEN3_TRAINING, "passed to the rollout loop"
     assert "training template" in caplog.text
     assert trainer.processing_class.chat_template == QWEN3_STYLE_STOCK
