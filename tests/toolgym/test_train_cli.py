@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -182,3 +183,21 @@ def test_bad_env_kwargs_are_refused_at_start_naming_the_class(
 ) -> None:
     assert main(["--model", "m", *args]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_help_leads_with_the_trainers_own_flags_in_groups() -> None:
+    from toolgym.cli.flag_groups import GROUPS, INHERITED
+    from toolgym.cli.train import RunArguments, build_parser
+    from trainer.config import AsyncGRPOConfig
+
+    placed = [name for names in GROUPS.values() for name in names]
+    assert len(placed) == len(set(placed)), "a field is in two groups"
+    own = set(AsyncGRPOConfig.__annotations__) | {f.name for f in dataclasses.fields(RunArguments)}
+    assert not own - set(placed), f"fields with no group in toolgym/cli/flag_groups.py: {sorted(own - set(placed))}"
+    known = {f.name for f in dataclasses.fields(AsyncGRPOConfig)} | {f.name for f in dataclasses.fields(RunArguments)}
+    assert not set(placed) - known, "a group names a field that does not exist"
+    text = build_parser().format_help()
+    headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings == ["options", *GROUPS, INHERITED]
+    assert text.index("--num_generations") < text.index("--max_staleness") < text.index(INHERITED)
+    assert text.index(INHERITED) < text.index("--eval_strategy")

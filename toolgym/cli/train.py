@@ -32,6 +32,7 @@ from transformers import HfArgumentParser
 
 from sdk.exceptions import ToolgymError
 from sdk.loading import did_you_mean
+from toolgym.cli.flag_groups import group_flags
 from toolgym.launch.envserver import EnvServerProcess
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
@@ -86,13 +87,15 @@ def build_parser() -> HfArgumentParser:
     Flags take underscores (``--learning_rate``) and accept dashes (``--learning-rate``); a boolean
     flag alone means true (``--use_cpu``), or takes ``true``/``false``.
     """
-    return HfArgumentParser(
+    parser = HfArgumentParser(
         # DataClassType is NewType("DataClassType", Any) in transformers: no class passes as one without a cast.
         (RunArguments, AsyncGRPOConfig),  # type: ignore[arg-type]
         prog="toolgym train", allow_abbrev=False, exit_on_error=False,
         usage="toolgym train [--config CONFIG.yaml] [--field value ...]",
         description="Asynchronous GRPO training from a YAML file and/or flags (flags override the file).",
     )
+    group_flags(parser)  # the trainer's own flags first, in groups; transformers' after them
+    return parser
 
 
 def _known_fields(parser: HfArgumentParser) -> list[str]:
