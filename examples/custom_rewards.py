@@ -1,4 +1,4 @@
-"""Custom reward functions: examples 1, 2, 3 and 5 of the source's "Using custom reward functions".
+"""Custom reward functions: examples 1, 2, 3 and 5 of TRL's "Using custom reward functions".
 
 Four reward functions score every completion and the trainer sums them (each is logged as
 ``rewards/<function name>/mean``):

@@ -1,4 +1,4 @@
-"""Environments: the source's ``IncrementEnv``, without a dataset and with one.
+"""Environments: the ``IncrementEnv`` of TRL's AsyncGRPOTrainer docs, without a dataset and with one.
 
 ``environment_factory=IncrementEnv`` (``environments/counter.py``) makes one environment per
 rollout in flight, reused across episodes. Its public method ``increment`` is the model's tool;

@@ -1,6 +1,6 @@
 """Several environments in one run, routed by the dataset's ``environment`` column.
 
-``environment_factory={"coding": CodingEnv, "game": GameEnv}`` (the source's "Multiple
+``environment_factory={"coding": CodingEnv, "game": GameEnv}`` (TRL's "Multiple
 environments"): each rollout takes the environment its row names, and only that environment's
 tools are shown to the model (``run_code`` for coding rows, ``move`` for game rows), so no rollout
 sees tools that do not belong to its task. Each environment owns its data and returns the prompt

@@ -1,4 +1,4 @@
-"""Multi-task rewards: example 4 of the source's "Using custom reward functions".
+"""Multi-task rewards: example 4 of TRL's "Using custom reward functions".
 
 One dataset mixes math and coding problems; its ``task`` column says which is which. Each
 task-specific reward function scores the rows of its own task and returns ``None`` for the others:

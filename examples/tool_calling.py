@@ -1,4 +1,4 @@
-"""Tools: the model calls plain Python functions while it generates (the source's "Tools" section).
+"""Tools: the model calls plain Python functions while it generates (TRL's "Tools" section).
 
 ``tools=[multiply, async_add]`` gives the model one sync and one async tool. Each is a
 module-level function with type hints and a Google-style docstring: the model sees the JSON schema
