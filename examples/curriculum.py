@@ -1,6 +1,6 @@
 """A curriculum through the rollout-loop hooks: stop sampling prompts the policy has solved.
 
-The source's "Customizing the rollout loop" example, runnable. ``CurriculumRolloutLoop`` subclasses
+TRL's "Customizing the rollout loop" example, runnable. ``CurriculumRolloutLoop`` subclasses
 ``AsyncRolloutLoop`` and overrides two hooks:
 
 * ``compute_advantages(group)`` records each prompt's pass rate (the share of its rollouts with a
