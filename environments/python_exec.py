@@ -16,7 +16,15 @@ from __future__ import annotations
 import random
 import signal
 
-from environments.sandbox import DEFAULT_LIMITS, Limits, RunResult, isolation, run_python, score_tests
+from environments.sandbox import (
+    DEFAULT_LIMITS,
+    Limits,
+    RunResult,
+    isolation,
+    memory_ceiling,
+    run_python,
+    score_tests,
+)
 from sdk.environment import Environment
 
 TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -37,6 +45,8 @@ def _describe(result: RunResult, limits: Limits) -> str:
     output = result.output or "(no output)"
     if result.timed_out:
         return f"{output}\n[killed: wall-clock limit of {limits.wall_seconds:g} s]"
+    if result.out_of_memory:
+        return f"{output}\n[killed: the run held more than its memory limit of {memory_ceiling(limits) >> 20} MiB]"
     if result.exit_code in (-signal.SIGKILL, -signal.SIGXCPU):
         return f"{output}\n[killed: CPU limit of {limits.cpu_seconds} s]"
     return output if result.exit_code == 0 else f"{output}\n[exit code {result.exit_code}]"

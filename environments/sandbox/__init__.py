@@ -2,9 +2,10 @@
 
 ``run_python`` runs a program in a fresh interpreter inside a bubblewrap sandbox (new user, mount,
 PID, network, IPC namespaces; uid 65534 without capabilities; a read-only view of the interpreter
-only; a size-capped tmpfs work directory; a seccomp filter; rlimits on CPU, memory, file size and
-processes; a wall clock after which every process of the run is killed). ``score_tests`` grades a
-solution against ``assert`` tests evaluated outside the solution's process. Without a working
+only; a size-capped tmpfs work directory; a seccomp filter; rlimits on CPU, memory, file size, open
+files and processes; a memory cgroup per run where the server can make one; a wall clock after which
+every process of the run is killed). ``score_tests`` grades a solution against ``assert`` tests
+evaluated outside the solution's process. Without a working
 bubblewrap both raise ``IsolationUnavailableError``, unless ``TOOLGYM_SANDBOX=weak`` chooses the
 old audit-hook subprocess, which is not a security boundary (a warning says so when it is chosen).
 docs/environments.md has the details.
@@ -19,6 +20,7 @@ from environments.sandbox._core import (
     Limits,
     RunResult,
     isolation,
+    memory_ceiling,
     run_python,
 )
 from environments.sandbox.exceptions import IsolationUnavailableError, SandboxConfigError, SandboxError
@@ -34,6 +36,7 @@ __all__ = [
     "SandboxConfigError",
     "SandboxError",
     "isolation",
+    "memory_ceiling",
     "run_python",
     "score_tests",
 ]

@@ -4,8 +4,9 @@ Not imported: its source runs as ``python -I [-S] -c SOURCE CONFIG`` in the sand
 only the standard library, and as little of it as it can (each import costs every run's start).
 CONFIG is the hex of a ``marshal``-ed dict written by ``_core.boot_config`` (trusted): ``path``
 (directories added to ``sys.path``: the host's site-packages where ``site`` does not run), ``cpu``,
-``memory``, ``file`` (rlimits; ``file`` caps each written file), ``processes`` (RLIMIT_NPROC, or
-None where the run shares the host's uid), ``user`` (the uid and gid to switch to, or None),
+``memory``, ``file``, ``files`` (rlimits; ``file`` caps each written file, ``files`` open
+descriptors), ``processes`` and ``signals`` (RLIMIT_NPROC and RLIMIT_SIGPENDING, counted per user,
+or None where the run shares the host's uid), ``user`` (the uid and gid to switch to, or None),
 ``hook`` (install the weak mode's audit hook), ``mode`` and, in ``serve`` mode, ``fds``.
 
 The code arrives on stdin (then stdin is /dev/null). Mode ``run`` writes it to ``main.py`` and runs
@@ -35,7 +36,8 @@ _HOOK_WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
 
 def _limit(config: dict[str, Any]) -> None:
     for which, value in ((resource.RLIMIT_CPU, config["cpu"]), (resource.RLIMIT_AS, config["memory"]),
-                         (resource.RLIMIT_FSIZE, config["file"]), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_FSIZE, config["file"]), (resource.RLIMIT_NOFILE, config["files"]),
+                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_SIGPENDING, config["signals"]),
                          (resource.RLIMIT_NPROC, config["processes"])):
         if value is not None:
             resource.setrlimit(which, (value, value))

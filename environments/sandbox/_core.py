@@ -8,17 +8,17 @@ import functools
 import logging
 import marshal
 import os
-import site
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from environments.sandbox import _bwrap, _seccomp
+from environments.sandbox import _bwrap, _cgroup, _seccomp
 from environments.sandbox._runner import Finished, execute, memfd
 from environments.sandbox.exceptions import IsolationUnavailableError, SandboxConfigError
 
 MODE_VARIABLE = "TOOLGYM_SANDBOX"
+_SIGNALS_QUEUED = 64
 logger = logging.getLogger("environments.sandbox")
 BOOT_SOURCE = (Path(__file__).parent / "_boot.py").read_text(encoding="utf-8")
 _WEAK_WARNING = (
@@ -53,6 +53,12 @@ class Limits:
             user namespace; the interpreter counts as one). Not enforced in weak mode.
         disk_bytes: Size of the work directory (a tmpfs, counted in memory), and the largest file
             any process may write (RLIMIT_FSIZE, the only disk limit in weak mode).
+        open_files: Open file descriptors of each process (RLIMIT_NOFILE), which bounds the kernel
+            buffers (pipes, sockets) a process can hold outside a memory cgroup.
+
+    Under bubblewrap, where the server can make a memory cgroup per run, everything the run holds
+    (its processes' memory, its files, their kernel memory) is also held to ``memory_bytes +
+    disk_bytes`` in all (``memory_ceiling``); docs/environments.md ("Memory") gives the ceiling without one.
     """
 
     cpu_seconds: int = 5
@@ -61,9 +67,11 @@ class Limits:
     wall_seconds: float = 10.0
     processes: int = 16
     disk_bytes: int = 32 << 20
+    open_files: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_bytes", "output_bytes", "wall_seconds", "processes", "disk_bytes"):
+        for name in ("cpu_seconds", "memory_bytes", "output_bytes", "wall_seconds", "processes", "disk_bytes",
+                     "open_files"):
             if not getattr(self, name) > 0:
                 raise SandboxConfigError(f"Limits.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -77,16 +85,19 @@ class RunResult:
         exit_code: The process's exit status; negative: killed by that signal (under bubblewrap an
             exit status above 128 is read as one, as shells do).
         timed_out: Whether the wall-clock limit killed it.
+        out_of_memory: Whether the kernel killed a process of the run for holding more than the run's
+            memory ceiling (``memory_ceiling``; only where runs get a memory cgroup).
     """
 
     output: str
     exit_code: int
     timed_out: bool
+    out_of_memory: bool = False
 
     @property
     def ok(self) -> bool:
-        """Whether the code ran to completion without an error."""
-        return self.exit_code == 0 and not self.timed_out
+        """Whether the code ran to completion without an error (and no process of it was killed for its memory)."""
+        return self.exit_code == 0 and not self.timed_out and not self.out_of_memory
 
 
 DEFAULT_LIMITS = Limits()
@@ -119,15 +130,19 @@ def _isolation(value: str) -> Isolation:
 
 
 def _check_bwrap() -> None:
-    hint = (f"install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; `make setup` does it), or set "
-            f"{MODE_VARIABLE}=weak to run model code without isolation (unsafe: see docs/environments.md)")
-    if _bwrap.executable() is None:
-        raise IsolationUnavailableError(f"the sandbox needs bubblewrap (bwrap), which is not on PATH: {hint}")
+    """Run ``pass`` in a sandbox; raise ``IsolationUnavailableError`` naming what failed and why."""
+    bwrap = _bwrap.executable()
+    if bwrap is None:
+        raise IsolationUnavailableError(
+            "the sandbox needs bubblewrap (bwrap), which is not on PATH: install it (Debian/Ubuntu: apt-get install "
+            f"bubblewrap; `make setup` does it), or set {MODE_VARIABLE}=weak to run model code without isolation "
+            "(unsafe: see docs/environments.md)")
     limits = Limits(wall_seconds=60.0)
     probe = launch(Isolation.BWRAP, limits, BOOT_SOURCE, boot_argument(Isolation.BWRAP, limits, "run"), b"pass\n")
     if probe.exit_code != 0:
-        detail = probe.output.decode(errors="replace").strip()
-        raise IsolationUnavailableError(f"bubblewrap cannot start a sandbox here ({detail}): {hint}")
+        detail = probe.output.decode(errors="replace").strip() or f"exit status {probe.exit_code}, no output"
+        raise IsolationUnavailableError(f"bubblewrap ({bwrap}) could not run {_bwrap.interpreter()} in a sandbox: "
+                                        f"{detail}{_bwrap.explain(detail)}")
 
 
 def python_flags(mode: Isolation) -> list[str]:
@@ -141,10 +156,13 @@ def python_flags(mode: Isolation) -> list[str]:
 
 def boot_config(mode: Isolation, limits: Limits, run_mode: str) -> dict[str, object]:
     """``_boot.py``'s CONFIG for ``limits`` (without ``fds``)."""
-    return {"path": site.getsitepackages() if mode is Isolation.BWRAP else [],
+    return {"path": _bwrap.site_packages() if mode is Isolation.BWRAP else [],
             "cpu": limits.cpu_seconds, "memory": limits.memory_bytes, "file": limits.disk_bytes,
-            # In weak mode the run shares the host uid's process count, so RLIMIT_NPROC would count the host's.
+            "files": limits.open_files,
+            # In weak mode the run shares the host uid's counts, so RLIMIT_NPROC would count the host's.
             "processes": limits.processes if mode is Isolation.BWRAP else None,
+            # Queued signals, and so POSIX timers (each holds one): the kernel's default lets a run hold ~90,000.
+            "signals": _SIGNALS_QUEUED if mode is Isolation.BWRAP else None,
             "hook": mode is Isolation.WEAK,
             "user": _bwrap.UID if mode is Isolation.BWRAP and _bwrap.switches_user() else None,
             "mode": run_mode}
@@ -162,7 +180,9 @@ def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: b
     ``pass_fds`` are inherited (at the same numbers); the process group, and under bubblewrap every
     process of the run, is gone when this returns.
     """
-    python = [sys.executable, *python_flags(mode), "-c", source, argument]
+    # Weak mode runs the host's own interpreter as started (its venv's site); a sandbox, the real binary it binds.
+    python = [sys.executable if mode is Isolation.WEAK else _bwrap.interpreter(), *python_flags(mode), "-c", source,
+              argument]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     cap = limits.output_bytes + 1  # one byte more than kept, to tell a cut
     if mode is Isolation.WEAK:
@@ -172,8 +192,10 @@ def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: b
     bwrap = _bwrap.executable()
     if bwrap is None:
         raise IsolationUnavailableError("bubblewrap (bwrap) is no longer on PATH")
+    where = _cgroup.hierarchy()
+    cgroup = None if where is None else _run_cgroup(where, limits)
     seccomp = memfd(_seccomp.filter_program())
-    startup = _bwrap.Startup(maps_users=_bwrap.switches_user())
+    startup = _bwrap.Startup(maps_users=_bwrap.switches_user(), cgroup=cgroup)
     try:
         env = {**env, "HOME": _bwrap.WORKDIR, "TMPDIR": _bwrap.WORKDIR}
         argv = _bwrap.command(bwrap, limits.disk_bytes, seccomp, env, startup) + python
@@ -182,9 +204,24 @@ def launch(mode: Isolation, limits: Limits, source: str, argument: str, stdin: b
     finally:
         startup.close()
         os.close(seccomp)
+        out_of_memory = cgroup is not None and cgroup.close()
     if finished.exit_code > 128:  # bubblewrap reports a child killed by signal N as 128 + N
         finished = dataclasses.replace(finished, exit_code=128 - finished.exit_code)
+    if out_of_memory:
+        finished = dataclasses.replace(finished, out_of_memory=True)
     return finished
+
+
+def memory_ceiling(limits: Limits) -> int:
+    """The memory a run may hold in all where it gets a memory cgroup: its processes, files and kernel memory."""
+    return limits.memory_bytes + limits.disk_bytes
+
+
+def _run_cgroup(where: _cgroup.Hierarchy, limits: Limits) -> _cgroup.RunCgroup:
+    try:
+        return _cgroup.RunCgroup(where, memory_ceiling(limits))
+    except OSError as exc:
+        raise IsolationUnavailableError(f"cannot make the run's memory cgroup: {exc}") from exc
 
 
 def run_python(code: str, limits: Limits = DEFAULT_LIMITS, mode: Isolation | None = None) -> RunResult:
@@ -201,4 +238,4 @@ def run_python(code: str, limits: Limits = DEFAULT_LIMITS, mode: Isolation | Non
     output = finished.output[: limits.output_bytes].decode("utf-8", errors="replace")
     if len(finished.output) > limits.output_bytes:
         output += "\n[output truncated]"
-    return RunResult(output, finished.exit_code, finished.timed_out)
+    return RunResult(output, finished.exit_code, finished.timed_out, finished.out_of_memory)

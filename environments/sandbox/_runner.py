@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """What one process left: its output (at most the cap asked for plus one byte), status, and timeout."""
+    """What one process left: its output (at most the cap asked for plus one byte), status, timeout, OOM kills."""
 
     output: bytes
     exit_code: int
     timed_out: bool
+    out_of_memory: bool = False
 
 
 def execute(argv: Sequence[str], *, stdin: bytes, env: dict[str, str], cwd: str | None, pass_fds: Sequence[int],
