@@ -67,6 +67,7 @@ SampleFunc = Callable[[list[int], int | None, list[str]], Coroutine[Any, Any, Tu
 """``(prompt_ids, max_tokens or None, stop strings) -> TurnRecord``: one sampling request."""
 
 _FINISHED_KEPT = 65536  # secrets of finished rollouts remembered, to answer 404 rather than 401
+_RENDERERS_KEPT = 2  # per rollout: an agent alternating two tool sets keeps both incremental
 _ROUTE = re.compile(r"(?:/r/(?P<secret>[^{}/]+))?/v1/(?P<route>chat/completions|models)")
 
 
@@ -105,7 +106,8 @@ class CaptureSession:
     requests: int = 0
     replies: dict[str, str] = field(default_factory=dict)  # assistant_key -> generated text
     pending_calls: dict[str, tuple[str, float]] = field(default_factory=dict)  # call id -> (tool, answered at)
-    renderers: dict[str, ConversationRenderer] = field(default_factory=dict)  # tools JSON -> renderer
+    renderers: dict[str, ConversationRenderer] = field(default_factory=dict)  # tools JSON -> renderer, LRU order
+    render_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task[TurnRecord]] = field(default_factory=set)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     slots: asyncio.Semaphore = field(init=False)
@@ -165,7 +167,9 @@ class CaptureServer:
         for prefix in ("/r/{secret}/v1", "/v1"):
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_get(f"{prefix}/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: an agent that hangs up cancels its handler, and so its sampling request;
+        # without it the sampling would finish and a turn no agent received would be trained on.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         host, port = self._runner.addresses[0][:2]
@@ -241,17 +245,23 @@ class CaptureServer:
         """
         try:
             session = self._session(secret, auth)
-            try:
-                body = json.loads(await read())
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # nesting too deep: Recursion
-                raise OpenAIRequestError(f"the body is not JSON that can be read: {type(exc).__name__}") from exc
-            chat = parse_chat_request(body)
+            # Counted on arrival, so requests waiting for the rollout's slot count toward its limit too
+            # (a request refused before sampling is refunded below).
             if session.requests >= session.max_requests:
                 session.exhausted = True
                 raise OpenAIRequestError(f"this rollout has made its {session.max_requests} requests "
                                          "(agent_max_requests)", 429, "rollout_request_limit")
-            async with session.slots:
-                turn, reply = await self._answer(session, chat)
+            session.requests += 1
+            sampled = False
+            try:
+                async with session.slots:  # the body is read only now: a waiting request holds no body in memory
+                    chat = await self._read_chat(read)
+                    prompt_ids = await self._prepare(session, chat)
+                    sampled = True
+                    turn, reply = await self._answer(session, chat, prompt_ids)
+            finally:
+                if not sampled:  # refused (or hung up) before sampling: it does not count
+                    session.requests -= 1
         except OpenAIRequestError as exc:
             self.records.add("agent/refused_request_count", 1)
             return exc.status, error_body(exc)
@@ -284,16 +294,35 @@ class CaptureServer:
         return response
 
     # ------------------------------------------------------------------------------ answering
-    async def _answer(self, session: CaptureSession, chat: ChatRequest) -> tuple[TurnRecord, Reply]:
+    @staticmethod
+    async def _read_chat(read: Callable[[], Awaitable[bytes]]) -> ChatRequest:
+        """The request's body, decoded and checked off the event loop (a body of megabytes takes a while)."""
+        raw = await read()
+        try:
+            body = await asyncio.to_thread(json.loads, raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # nesting too deep: Recursion
+            raise OpenAIRequestError(f"the body is not JSON that can be read: {type(exc).__name__}") from exc
+        return parse_chat_request(body)
+
+    async def _prepare(self, session: CaptureSession, chat: ChatRequest) -> list[int]:
+        """The prompt ids of a request, or the refusal that costs nothing afterwards."""
         if session.finished:
             raise OpenAIRequestError("this rollout has finished", 404, "rollout_finished")
+        tools_key = json.dumps(chat.tools, sort_keys=True)
+        try:
+            prompt_ids = await self._render(session, chat, tools_key)
+            if len(prompt_ids) >= self.max_model_len:
+                raise OpenAIRequestError(
+                    f"the conversation renders to {len(prompt_ids)} tokens; the server's max_model_len is "
+                    f"{self.max_model_len}", 400, "context_length_exceeded", "messages")
+        except OpenAIRequestError:
+            session.renderers.pop(tools_key, None)  # it holds the refused prompt: keep nothing of it
+            raise
         self._tool_results_arrived(session, chat.messages)
-        prompt_ids = self._render(session, chat)
-        if len(prompt_ids) >= self.max_model_len:
-            raise OpenAIRequestError(
-                f"the conversation renders to {len(prompt_ids)} tokens; the server's max_model_len is "
-                f"{self.max_model_len}", 400, "context_length_exceeded", "messages")
-        session.requests += 1  # a request refused before sampling does not count
+        return prompt_ids
+
+    async def _answer(self, session: CaptureSession, chat: ChatRequest,
+                      prompt_ids: list[int]) -> tuple[TurnRecord, Reply]:
         task = asyncio.create_task(self.sample(prompt_ids, chat.max_tokens, chat.stop), context=session.context)
         session.tasks.add(task)
         try:
@@ -352,23 +381,31 @@ class CaptureServer:
             finish_reason="stop")
         return cut, kept[: min(i for i in (kept.find(s) for s in stop) if i >= 0)]
 
-    def _render(self, session: CaptureSession, chat: ChatRequest) -> list[int]:
-        """The request's prompt ids; replies that came back unchanged render as generated."""
+    async def _render(self, session: CaptureSession, chat: ChatRequest, tools_key: str) -> list[int]:
+        """The request's prompt ids; replies that came back unchanged render as generated.
+
+        Rendering and tokenizing run on a thread (a long conversation takes seconds of CPU that would
+        stall every other rollout on the worker's loop), one at a time per rollout (its renderers keep
+        state). A rollout keeps the renderers of its last :data:`_RENDERERS_KEPT` tool sets.
+        """
         messages = []
         for m in chat.messages:
             text = session.replies.get(assistant_key(m["content"], m.get("tool_calls"))) \
                 if m["role"] == "assistant" else None
             messages.append(build_assistant_message(text) if text is not None else m)
-        tools_key = json.dumps(chat.tools, sort_keys=True)
-        render = session.renderers.get(tools_key)
-        if render is None:
-            render = session.renderers[tools_key] = ConversationRenderer(
-                self.tokenizer, chat.tools, self.chat_template, self._incremental, **self.kwargs)
-        try:
-            return render(messages)
-        except Exception as exc:  # the template refused the conversation (a jinja TemplateError...)
-            raise OpenAIRequestError(f"the chat template cannot render this conversation: {type(exc).__name__}: "
-                                     f"{exc}", param="messages") from exc
+        async with session.render_lock:
+            render = session.renderers.pop(tools_key, None)
+            if render is None:
+                render = ConversationRenderer(self.tokenizer, chat.tools, self.chat_template, self._incremental,
+                                              **self.kwargs)
+            session.renderers[tools_key] = render  # the most recently used last
+            while len(session.renderers) > _RENDERERS_KEPT:
+                del session.renderers[next(iter(session.renderers))]
+            try:
+                return await asyncio.to_thread(render, messages)
+            except Exception as exc:  # the template refused the conversation (a jinja TemplateError...)
+                raise OpenAIRequestError(f"the chat template cannot render this conversation: "
+                                         f"{type(exc).__name__}: {exc}", param="messages") from exc
 
     def _count_calls(self, session: CaptureSession, chat: ChatRequest, reply: Reply) -> None:
         """``tools/*`` metrics of one reply, as the built-in loop names them."""

@@ -142,8 +142,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise OpenAIRequestError("only n=1 is supported", param="n")
     tools = body.get("tools") or None
     if tools is not None and (not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
-        raise OpenAIRequestError("tools must be a list of {'type': 'function', 'function': {...}}", param="tools")
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools)):
+        raise OpenAIRequestError("tools must be a list of {'type': 'function', 'function': {'name': str, ...}}",
+                                 param="tools")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
