@@ -113,8 +113,7 @@ while held < TARGET:
     "in_flight": _attack("""
 import socket
 chunk = b'x' * (1 << 16)
-carrier, _ = socket.socketpair()
-keep += [carrier, _]
+carrier = None
 while held < TARGET:
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -123,7 +122,16 @@ while held < TARGET:
             held += a.send(chunk)
     except BlockingIOError:
         pass
-    socket.send_fds(carrier, [b'x'], [a.fileno(), b.fileno()])
+    while True:
+        if carrier is None:  # a new one each time the last one's buffer is full of messages
+            carrier, far_end = socket.socketpair()
+            carrier.setblocking(False)
+            keep += [carrier, far_end]
+        try:
+            socket.send_fds(carrier, [b'x'], [a.fileno(), b.fileno()])
+            break
+        except BlockingIOError:
+            carrier = None
     a.close()
     b.close()
 """),
