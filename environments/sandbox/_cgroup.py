@@ -7,7 +7,8 @@ of them), and ``RunResult.out_of_memory`` says so. Without a cgroup, each proces
 its own rlimits (``docs/environments.md`` gives both ceilings).
 
 The run's cgroup is made inside the server's own memory cgroup (cgroup v1's ``memory`` hierarchy,
-or v2 where the server's cgroup hands the memory controller to its children), and the sandbox's
+or v2 where the server's cgroup hands the memory controller to its children, or can once the server
+moved into a leaf of it), and the sandbox's
 PID 1 is moved into it before any sandboxed code runs (``_bwrap.Startup``). ``hierarchy()`` finds
 that place once per process, or says why there is none.
 """
@@ -26,6 +27,7 @@ from environments.sandbox.exceptions import IsolationUnavailableError
 
 logger = logging.getLogger("environments.sandbox")
 PREFIX = "toolgym-sandbox-"
+SERVER_LEAF = "toolgym-server"
 enabled = True
 """Private switch (benchmarks and tests): ``False`` runs every sandbox without a cgroup, as on a machine without one."""
 _names = itertools.count()
@@ -167,23 +169,36 @@ def _find() -> Hierarchy:
 
 
 def _enable_memory_for_children(directory: str) -> None:
+    """Have cgroup v2's ``directory`` hand the memory controller to its children.
+
+    v2 lets a cgroup do that only while it holds no process itself; when this server is its
+    cgroup's only process (a container's main process, a ``systemd-run --scope -p Delegate=yes``
+    scope), it first moves into a leaf of its own, ``SERVER_LEAF``, still under every limit it had.
+    """
     control = os.path.join(directory, "cgroup.subtree_control")
     with open(control, encoding="ascii") as current:
         if "memory" in current.read().split():
             return
+    with open(os.path.join(directory, "cgroup.procs"), encoding="ascii") as current:
+        processes = current.read().split()
     try:
+        if processes == [str(os.getpid())]:
+            os.makedirs(os.path.join(directory, SERVER_LEAF), exist_ok=True)
+            _write(os.path.join(directory, SERVER_LEAF, "cgroup.procs"), str(os.getpid()))
         _write(control, "+memory")
     except OSError as exc:
-        raise OSError(exc.errno, "the memory controller is not handed to this cgroup's children, and enabling it "
-                      "failed (a cgroup v2 cgroup that holds processes cannot hand it on): start the server in a "
-                      "cgroup that does, e.g. a leaf under one with 'memory' in cgroup.subtree_control",
-                      control) from exc
+        others = len([p for p in processes if p != str(os.getpid())])
+        raise OSError(exc.errno, f"cgroup v2 hands the memory controller to a cgroup's children only while it holds "
+                      f"no process, and this server's holds {others} other process(es) beside it: start the server "
+                      "as the only process of its cgroup (a container's main process, or under systemd-run --scope "
+                      "-p Delegate=yes)", control) from exc
 
 
 def _remove_stale(directory: str) -> None:
     """Remove run cgroups left by servers that died mid-run (empty by now: their sandboxes died with them)."""
     for name in os.listdir(directory):
-        if name.startswith(PREFIX) and not _alive(int(name[len(PREFIX):].split("-")[0])):
+        owner = name[len(PREFIX):].split("-")[0]
+        if name.startswith(PREFIX) and owner.isdigit() and not _alive(int(owner)):
             try:
                 os.rmdir(os.path.join(directory, name))
             except OSError:

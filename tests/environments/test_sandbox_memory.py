@@ -7,6 +7,7 @@ and without (``_cgroup.enabled`` off), as on a machine that has none.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +115,16 @@ def test_the_python_environment_says_the_run_ran_out_of_memory(containment):
     out = env.run_code("import os\nos.fork()\nblock = bytearray(200 << 20)\nprint('held')")
     assert "[killed: the run held more than its memory limit of 288 MiB]" in out
     assert env.solution is None  # a run killed for its memory is not a solution
+
+
+def test_cgroups_left_by_a_server_that_died_mid_run_are_removed(containment):
+    if containment != "cgroup":
+        pytest.skip("no cgroups to leave")
+    where = _cgroup.hierarchy()
+    assert where is not None
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process now
+    left = Path(where.directory, f"{_cgroup.PREFIX}{dead.pid}-0")
+    left.mkdir()
+    _cgroup._remove_stale(where.directory)
+    assert not left.exists()
