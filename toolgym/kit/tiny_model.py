@@ -63,7 +63,7 @@ from transformers import (
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from toolgym.kit.warm_start import WarmStartConfig, synthetic_transcripts
-from trainer.families import QWEN3, Family, template_text
+from trainer.families import QWEN3, Family
 
 __all__ = ["ARCHITECTURES", "VOCAB_SIZE", "build_tiny_model", "build_tokenizer", "kit_template", "tiny_config"]
 
@@ -116,15 +116,15 @@ def _english(rng: random.Random, count: int) -> Iterator[str]:
 
 
 def kit_template(family: Family) -> str:
-    """The chat template the kit stores in a tokenizer of ``family``: its kit template, else its training template.
+    """The chat template the kit stores in a tokenizer of ``family`` (``family.kit_template_text()``).
 
     Raises:
-        ValueError: The family ships neither (a registered family of your own may not).
+        ValueError: The family ships none (a registered family of your own may not).
     """
-    filename = family.kit_template or family.training_template
-    if filename is None:
+    text = family.kit_template_text()
+    if text is None:
         raise ValueError(f"the {family.name} family ships no template for the tiny model kit")
-    return template_text(filename)
+    return text
 
 
 def _corpus(family: Family) -> Iterator[str]:

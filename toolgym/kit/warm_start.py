@@ -54,12 +54,14 @@ from transformers.utils.chat_template_utils import get_json_schema
 from environments.counter import IncrementEnv
 from toolgym.launch.threads import torch_threads
 from trainer.exceptions import ConfigError
+from trainer.families import Family
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.rollout.chat_template import (
     EMPTY_REASONING,
     build_assistant_message,
-    parse_tool_calls,
+    completion_text,
     render_prompt_ids,
+    rollout_family,
 )
 from trainer.training.logprobs import forward_packed
 from trainer.training.packing import build_row
@@ -188,8 +190,12 @@ def arithmetic_prompt(a: int, b: int) -> str:
     return f"What is {a} + {b}?"
 
 
+# The transcripts' one call has an id (Kimi K2's form, which its template writes back) that its result names.
+CALL_ID = "functions.increment:0"
+
+
 def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"type": "function", "id": CALL_ID, "function": {"name": name, "arguments": arguments}}
 
 
 def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig, exact: bool = False) -> Transcript:
@@ -210,7 +216,7 @@ def counter_transcript(target: int, rng: random.Random, config: WarmStartConfig,
     call = _tool_call("increment", {"step": step})
     opening = EMPTY_REASONING[:-1] if think else ""
     messages.append({"role": "assistant", "content": opening, "tool_calls": [call]})
-    messages.append({"role": "tool", "content": str(env.increment(step))})
+    messages.append({"role": "tool", "name": "increment", "tool_call_id": CALL_ID, "content": str(env.increment(step))})
     answer = f"The counter is now {env.counter}."
     messages.append({"role": "assistant", "content": EMPTY_REASONING + answer if think else answer})
     return Transcript(messages, counter_tools(), success=env.get_reward() == 1.0)
@@ -280,6 +286,11 @@ def _training_sample(tokenizer: PreTrainedTokenizerBase, transcript: Transcript)
     ))
     ids = list(out["input_ids"])
     mask = list(out["assistant_masks"])
+    family = rollout_family(tokenizer.chat_template)
+    if mask and mask[-1] and ids[-1] not in _stop_ids(tokenizer, family):
+        # The template leaves the final turn open (GLM's turns end on the next role's token): teach the stop.
+        ids.append(tokenizer.get_vocab()[family.turn_end(False)])
+        mask.append(1)
     sequence = TrainingSequence(input_ids=ids, loss_mask=mask, sampler_logprobs=[0.0] * len(ids))
     return TrainingSample(sequence=sequence, advantage=1.0, group_id=0, policy_version=0)
 
@@ -465,10 +476,16 @@ class EvalResult:
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
+def _stop_ids(tokenizer: PreTrainedTokenizerBase, family: Family) -> list[int]:
+    """The ids of the family's stop tokens in ``tokenizer`` (its EOS when it has none of them)."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in family.stop_tokens if t in vocab] or [tokenizer.eos_token_id]
+
+
 def _generate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], temperature: float
 ) -> tuple[str, bool]:
-    """One completion: its text (special tokens dropped) and whether it ended with EOS."""
+    """One completion: its text as the rollout loop decodes it and whether it ended with a stop token."""
     # PreTrainedModel has no generate (the causal-LM classes mix GenerationMixin in): mypy sees nn.Module.__getattr__.
     output = model.generate(  # type: ignore[operator]
         torch.tensor([prompt_ids]),
@@ -479,8 +496,11 @@ def _generate(
         top_k=0,
         top_p=1.0,
     )[0, len(prompt_ids) :].tolist()
-    text = cast(str, tokenizer.decode(output, skip_special_tokens=True))  # one sequence: one string
-    return text, tokenizer.eos_token_id in output
+    stops = _stop_ids(tokenizer, rollout_family(tokenizer.chat_template))
+    ended = next((i for i, t in enumerate(output) if t in stops), None)
+    if ended is None:
+        return completion_text(tokenizer, output, stops), False
+    return completion_text(tokenizer, output[: ended + 1], stops), True
 
 
 def _counter_episode(
@@ -488,11 +508,12 @@ def _counter_episode(
 ) -> tuple[bool, bool]:
     """Play one counter episode against the real environment; returns (well formed, success)."""
     env, tools = IncrementEnv(), counter_tools()
+    family = rollout_family(tokenizer.chat_template)
     messages: list[dict[str, Any]] = [{"role": "user", "content": env.reset(target=target)}]
     for _ in range(max_turns):
         text, ended = _generate(model, tokenizer, render_prompt_ids(tokenizer, messages, tools), temperature)
-        _, calls = parse_tool_calls(text)
-        messages.append(build_assistant_message(text))
+        _, calls = family.parse(text, tools)
+        messages.append(build_assistant_message(text, family, tools))
         if not ended:
             return False, False
         if not calls:
@@ -503,7 +524,7 @@ def _counter_episode(
                 return False, False
             if type(args["step"]) is not int:  # bool is an int too, and not a step
                 return False, False
-            messages.append({"role": "tool", "content": str(env.increment(args["step"]))})
+            messages.append(family.tool_message(call, str(env.increment(args["step"]))))
     return False, False
 
 
@@ -514,7 +535,7 @@ def _arithmetic_episode(
     prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": arithmetic_prompt(a, b)}])
     text, ended = _generate(model, tokenizer, prompt, temperature)
     boxed = _BOXED.findall(text)
-    well_formed = ended and len(boxed) == 1 and not parse_tool_calls(text)[1]
+    well_formed = ended and len(boxed) == 1 and not rollout_family(tokenizer.chat_template).parse(text)[1]
     return well_formed, well_formed and int(boxed[0]) == a + b
 
 

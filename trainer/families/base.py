@@ -251,6 +251,9 @@ class Family(ABC):
         tool_role: The role the family's templates render tool results under (``"ipython"`` for Llama 3);
             the messages themselves keep the ``tool`` role.
         reasoning: The markers around a reasoning block, ``None`` for a family without one.
+        parallel_calls: Whether the family's stock templates render several calls in one assistant turn
+            (Llama 3.1's refuses them, GPT-OSS's renders the first only): the agreement probes of
+            :mod:`trainer.rollout.training_templates` use one call where they do not.
         training_template: The file under ``trainer/families/templates`` that renders like the stock
             template but keeps earlier turns as generated; ``None`` when the stock one keeps prefixes.
         kit_template: The file the tiny-model kit stores in a tokenizer of this family (``None``: the
@@ -269,6 +272,7 @@ class Family(ABC):
     stop_tokens: tuple[str, ...]
     tool_role: str = "tool"
     reasoning: tuple[str, str] | None = ("<think>", "</think>")
+    parallel_calls: bool = True
     training_template: str | None = None
     kit_template: str | None = None
     tokens: tuple[str, ...] = ()
@@ -301,6 +305,17 @@ class Family(ABC):
     def format_calls(self, content: str, calls: list[ToolCall]) -> str:
         """The text the family's template renders inside an assistant turn for ``content`` and ``calls``:
         what a model of the family emits, and what :func:`parse` reads back into them."""
+
+    def training_template_texts(self) -> tuple[str, ...]:
+        """The training templates to try against a stock template, in order (one per variant of the stock
+        template the family ships; none without a training template)."""
+        return (template_text(self.training_template),) if self.training_template else ()
+
+    def kit_template_text(self) -> str | None:
+        """The chat template the tiny-model kit stores in a tokenizer of this family: the kit template, else
+        the training template (``None`` when the family ships neither)."""
+        filename = self.kit_template or self.training_template
+        return template_text(filename) if filename else None
 
     def turn_end(self, has_calls: bool) -> str:
         """The token that ends an assistant turn (with or without calls)."""

@@ -93,12 +93,15 @@ class HarmonyFamily(Family):
         return sum(m.ended_with_call and m.recipient is None for m in _messages(text))
 
     def format_calls(self, content: str, calls: list[ToolCall]) -> str:
-        """A ``final`` message for content without calls; else a ``commentary`` preamble when there is
-        content, then one message per call (``<|call|>`` between calls: the last one's is the turn's end)."""
+        """As the family's templates write a turn after ``<|start|>assistant``: a ``final`` message for
+        content without calls; else the content as an ``analysis`` message, then one message per call
+        (`` to=functions.NAME<|channel|>commentary json<|message|>{...}``, ``<|call|>`` between calls: the
+        last one's ends the turn). A model may put the recipient after the channel instead, which
+        :meth:`parse` reads too (the turn is then kept as written)."""
         if not calls:
             return f"{CHANNEL}final{MESSAGE}{content}"
-        messages = [f"{CHANNEL}commentary{MESSAGE}{content}{END}"] if content else []
-        messages += [f"{CHANNEL}commentary to=functions.{c['name']} {CONSTRAIN}json{MESSAGE}"
+        messages = [f"{CHANNEL}analysis{MESSAGE}{content}{END}"] if content else []
+        messages += [f" to=functions.{c['name']}{CHANNEL}commentary json{MESSAGE}"
                      f"{json.dumps(c['arguments'], ensure_ascii=False)}" for c in calls]
         return (START + "assistant").join(
             m if m.endswith(END) or i == len(messages) - 1 else m + CALL for i, m in enumerate(messages))
@@ -122,8 +125,8 @@ HARMONY_TOKENS = ("<|endoftext|>", "<|startoftext|>", START, END, MESSAGE, CHANN
 
 GPT_OSS = HarmonyFamily(
     name="gpt_oss", title="GPT-OSS (harmony)",
-    markers=(START, CHANNEL, MESSAGE, "to=functions."),
-    stop_tokens=(RETURN, CALL), reasoning=None,
+    markers=(START, CHANNEL, MESSAGE, CALL, " to=assistant"),
+    stop_tokens=(RETURN, CALL), reasoning=None, parallel_calls=False,
     training_template="gpt_oss_training.jinja",
     special_tokens=HARMONY_TOKENS, vllm_parser=None,
     checkpoints=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),

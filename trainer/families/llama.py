@@ -3,7 +3,8 @@
 Llama 3.1's template writes a call turn as ``{"name": "increment", "parameters": {"step": 2}}`` and ends
 it with ``<|eot_id|>``; several calls are separated by ``"; "`` (the form vLLM's ``llama3_json`` parser
 reads; the stock template refuses more than one call per turn, the training template writes them
-so). Text before the calls is separated from them by ``<|python_tag|>``. Tool results are turns of
+so). Text before the calls is read up to ``<|python_tag|>``; the templates write a call turn without
+text. Tool results are turns of
 the ``ipython`` role: ``<|start_header_id|>ipython<|end_header_id|>\\n\\n{result}<|eot_id|>``.
 """
 
@@ -64,13 +65,12 @@ class LlamaFamily(Family):
         return 0
 
     def format_calls(self, content: str, calls: list[ToolCall]) -> str:
-        """The calls as ``{"name": ..., "parameters": {...}}`` joined by ``"; "``, after ``content<|python_tag|>``
-        when there is content."""
-        objects = "; ".join(f'{{"name": {json.dumps(c["name"], ensure_ascii=False)}, '
-                            f'"parameters": {json.dumps(c["arguments"], ensure_ascii=False)}}}' for c in calls)
+        """The calls as ``{"name": ..., "parameters": {...}}`` joined by ``"; "``: Llama's templates write a
+        call turn without its content (a turn with both is kept as the model wrote it)."""
         if not calls:
             return content
-        return f"{content}{PYTHON_TAG}{objects}" if content else objects
+        return "; ".join(f'{{"name": {json.dumps(c["name"], ensure_ascii=False)}, '
+                         f'"parameters": {json.dumps(c["arguments"], ensure_ascii=False)}}}' for c in calls)
 
 
 LLAMA_SPECIAL = ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -79,7 +79,7 @@ LLAMA_SPECIAL = ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|start_head
 LLAMA3 = LlamaFamily(
     name="llama3", title="Llama 3.1 / 3.2 / 3.3",
     markers=("<|start_header_id|>", "<|eot_id|>", "ipython", '"parameters"'),
-    stop_tokens=("<|eot_id|>", "<|eom_id|>"), tool_role="ipython", reasoning=None,
+    stop_tokens=("<|eot_id|>", "<|eom_id|>"), tool_role="ipython", reasoning=None, parallel_calls=False,
     training_template="llama3_training.jinja",
     special_tokens=LLAMA_SPECIAL, bos_token="<|begin_of_text|>", vllm_parser="llama3_json",
     checkpoints=("meta-llama/Llama-3.1-*-Instruct", "meta-llama/Llama-3.2-*-Instruct",

@@ -95,7 +95,7 @@ MISTRAL_TOKENS = ("<pad>", "<s>", "</s>", "[INST]", "[/INST]", TOOL_CALLS, ARGS,
 
 MISTRAL = MistralFamily(
     name="mistral", title="Mistral / Magistral / Devstral",
-    markers=("[INST]", TOOL_CALLS, "[TOOL_RESULTS]"),
+    markers=("[INST]", TOOL_CALLS, "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
     stop_tokens=("</s>",), reasoning=("[THINK]", "[/THINK]"),
     training_template="mistral_training.jinja",
     special_tokens=MISTRAL_TOKENS, bos_token="<s>", vllm_parser="mistral",

@@ -37,6 +37,7 @@ from trainer.families.base import (
     parse_arguments,
     schema_properties,
     split_blocks,
+    template_text,
     typed_value,
 )
 
@@ -112,9 +113,25 @@ def _read_xml_call(raw: str, tools: list[dict[str, Any]] | None) -> ToolCall | T
     return ToolCall(name=name, arguments=arguments)
 
 
+# How the training template reads the thinking switch; Qwen3.5's small checkpoints think only when asked to.
+_THINKING_BY_DEFAULT = "{%- set no_thinking = enable_thinking is defined and enable_thinking is false -%}"
+_THINKING_WHEN_ASKED = "{%- set no_thinking = not (enable_thinking is defined and enable_thinking is true) -%}"
+
+
 @dataclass(frozen=True)
 class QwenXMLFamily(Family):
     """Qwen3.5's XML calls: ``<tool_call>`` around ``<function=NAME>`` and one ``<parameter=KEY>`` per argument."""
+
+    def training_template_texts(self) -> tuple[str, ...]:
+        """The training template for checkpoints that think by default (Qwen3.5-4B and larger, Qwen3.6), then
+        its variant for those that think only with ``enable_thinking=True`` (Qwen3.5-2B and smaller)."""
+        text = template_text(str(self.training_template))
+        return text, text.replace(_THINKING_BY_DEFAULT, _THINKING_WHEN_ASKED)
+
+    def kit_template_text(self) -> str | None:
+        """The variant that thinks only when asked, as Qwen3.5's small checkpoints do: the tiny model answers
+        after the generation prompt's closed reasoning block."""
+        return self.training_template_texts()[-1]
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> Parsed:
         """See :meth:`Family.parse`; argument values are typed by ``tools``' schemas (strings without one)."""

@@ -208,6 +208,14 @@ def _openings(family: Family) -> tuple[str, ...]:
     return tuple(o.replace("<think>", start).replace("</think>", end) for o in REASONING_OPENINGS)
 
 
+def _left_open(prompt: str, family: Family) -> bool:
+    """Whether the generation prompt opens a reasoning block (Qwen3.5's ``<think>\\n``) that the model must close."""
+    if family.reasoning is None:
+        return False
+    start, end = family.reasoning
+    return prompt.rfind(start) > prompt.rfind(end)
+
+
 def _unopened(prompt: str, opening: str) -> str:
     """``opening`` without what the generation prompt already wrote of it (Qwen3.5's prompt opens ``<think>\\n``)."""
     for size in range(len(opening), 0, -1):
@@ -241,6 +249,12 @@ def _end_id(tokenizer: PreTrainedTokenizerBase, family: Family) -> int:
     return found if isinstance(found, int) else tokenizer.eos_token_id  # type: ignore[no-any-return]
 
 
+def _merges(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, ids: list[int]) -> bool:
+    """Whether tokenizing ``prompt + completion`` at once gives other ids than each apart (a merge across the
+    boundary, e.g. a completion opening with ``\\n`` after a prompt ending ``<think>\\n``)."""
+    return list(tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]) != ids
+
+
 def check_prefix_preserving(
     tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None, **kw: Any,
@@ -249,9 +263,12 @@ def check_prefix_preserving(
 
     Plays the rollout loop on a synthetic conversation (system, user, then an assistant turn with one
     tool call and one with two, each followed by its tool messages), once for each of
-    :data:`REASONING_OPENINGS` in the family's reasoning markers: each turn's prompt ids followed by
-    the ids of the assistant text (as tokenized, without what the generation prompt already opened,
-    plus the family's end-of-turn token: what a model emitting it produces) must start the next turn's
+    :data:`REASONING_OPENINGS` in the family's reasoning markers (an opening that leaves a reasoning
+    block the generation prompt opened unclosed is skipped: no model of the family writes that, and so is
+    one whose text the tokenizer merges with the prompt's end, which no template can keep apart): each
+    turn's prompt ids followed by the ids of the assistant text (as tokenized, without what the
+    generation prompt already opened, plus the family's end-of-turn token: what a model emitting it
+    produces) must start the next turn's
     prompt ids, with the assistant message built from the text by :func:`build_assistant_message`, as
     the loop does. The calls are written in the checked template's family format (:func:`rollout_family`).
 
@@ -278,9 +295,15 @@ def check_prefix_preserving(
         ]
         previous = render_prompt_ids(tokenizer, messages, tools, chat_template, **kw)
         prompt_text = render_prompt_text(tokenizer, messages, tools, chat_template, **kw)
+        if family.reasoning and _left_open(prompt_text, family) and family.reasoning[1] not in _unopened(
+                prompt_text, opening):
+            continue
         for full_text, results in synthetic_replies(tools, opening, family):
             text = _unopened(prompt_text, opening) + full_text[len(opening):]
-            expected = previous + list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [end]
+            completion = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if _merges(tokenizer, prompt_text, text, previous + completion):
+                break  # the tokenizer joins the prompt's end and the completion: such turns fork whatever the template
+            expected = previous + completion + [end]
             _, calls = family.parse(text, tools)
             messages += [build_assistant_message(text, family, tools),
                          *(family.tool_message(call, result) for call, result in zip(calls, results, strict=True))]

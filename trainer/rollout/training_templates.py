@@ -27,7 +27,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from trainer.families import Family, ToolCall, family_for, template_text
+from trainer.families import Family, ToolCall, family_for
 from trainer.rollout.chat_template import check_prefix_preserving
 
 __all__ = ["renders_like_stock", "rollout_chat_template"]
@@ -50,6 +50,8 @@ def _agreement_probes(family: Family, tools: list[dict[str, Any]] | None) -> lis
     _, parsed = family.parse(family.format_calls("", [ToolCall(name=name, arguments={"step": 2})] * 2))
     calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
              | ({"id": c["id"]} if c.get("id") else {}) for c in parsed if "error" not in c]
+    calls = calls if family.parallel_calls else calls[:1]
+    parsed = parsed if family.parallel_calls else parsed[:1]
     system = {"role": "system", "content": "You are a helpful assistant."}
     user = {"role": "user", "content": "Please do it."}
     start, end = family.reasoning or ("", "")
@@ -71,8 +73,8 @@ def _agreement_probes(family: Family, tools: list[dict[str, Any]] | None) -> lis
 
 
 def renders_like_stock(family: Family, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None,
-                       **kw: Any) -> bool:
-    """Whether ``family``'s training template may stand in for ``tokenizer``'s stock template.
+                       **kw: Any) -> str | None:
+    """The training template of ``family`` that may stand in for ``tokenizer``'s stock template, if one may.
 
     Args:
         family: The family :func:`trainer.families.family_for` recognised in the stock template.
@@ -81,12 +83,18 @@ def renders_like_stock(family: Family, tokenizer: PreTrainedTokenizerBase, tools
         **kw: The run's ``chat_template_kwargs``.
 
     Returns:
-        ``True`` when both render the same text on every agreement probe and the training template is
-        prefix-preserving.
+        The first of ``family.training_template_texts()`` that renders the same text as the stock
+        template on every agreement probe and is prefix-preserving, else ``None``.
     """
-    if family.training_template is None:
-        return False
-    ours_text = template_text(family.training_template)
+    for text in family.training_template_texts():
+        if _agrees(family, tokenizer, text, tools, **kw) and check_prefix_preserving(tokenizer, tools, text, **kw):
+            return text
+    return None
+
+
+def _agrees(family: Family, tokenizer: PreTrainedTokenizerBase, ours_text: str, tools: list[dict[str, Any]] | None,
+            **kw: Any) -> bool:
+    """Whether ``ours_text`` and the stock template render every agreement probe alike."""
     try:
         for messages, schemas, generation in _agreement_probes(family, tools):
             # transformers types ``tools`` as an invariant list of dict-or-callable: a list of dicts is fine.
@@ -99,7 +107,7 @@ def renders_like_stock(family: Family, tokenizer: PreTrainedTokenizerBase, tools
                 return False
     except _RENDER_ERRORS:  # the stock template cannot render a probe: not this family's
         return False
-    return check_prefix_preserving(tokenizer, tools, chat_template=ours_text, **kw)
+    return True
 
 
 def _keeps_prefixes(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None, **kw: Any) -> bool:
@@ -127,13 +135,14 @@ def rollout_chat_template(
     family = family_for(tokenizer)
     if _keeps_prefixes(tokenizer, tools, **chat_template_kwargs):
         return None
-    if family is not None and renders_like_stock(family, tokenizer, tools, **chat_template_kwargs):
+    chosen = renders_like_stock(family, tokenizer, tools, **chat_template_kwargs) if family is not None else None
+    if family is not None and chosen is not None:
         logger.info(
             "the chat template (%s family) is not prefix-preserving across tool-calling turns: rollouts "
             "render with toolgym's %s training template instead (trainer/families/templates/%s; same generation "
             "prompt, earlier turns kept as generated). The tokenizer and its checkpoints keep the stock "
             "template.", family.title, family.name, family.training_template)
-        return template_text(str(family.training_template))
+        return chosen
     fit = (f"of the {family.name} family but differs from the template toolgym ships for it" if family is not None
            else "of no model family toolgym knows")
     logger.warning(

@@ -46,7 +46,9 @@ def test_calls_in_the_family_format_read_back(family: Family, content: str) -> N
     for calls in ([ONE], [ONE, TWO]):
         text = family.format_calls(content, calls)
         got_content, got = family.parse(text, TOOLS)
-        assert got_content == content and _plain(got) == _plain(calls), text
+        # Llama's templates write a call turn without its text, GPT-OSS's as its reasoning (analysis).
+        written = content if family not in (LLAMA3, GPT_OSS) else ""
+        assert got_content == written and _plain(got) == _plain(calls), text
         assert family.malformed(text) == 0
 
 

@@ -174,7 +174,7 @@ def test_unknown_rewriting_template_warns_and_is_kept(stock: PreTrainedTokenizer
     other = copy.deepcopy(stock)
     # Not the Qwen3 family: its generation prompt differs, so the training template would not fit.
     other.chat_template = QWEN3_STYLE_STOCK.replace("{{- '<|im_start|>assistant\\n' -}}\n",
-                                                    "{{- '<|im_start|>assistant\\n<think>\\n' -}}\n")
+                                                    "{{- '<|im_start|>assistant\\n\\n' -}}\n")
     assert other.chat_template != QWEN3_STYLE_STOCK
     with caplog.at_level(logging.WARNING, logger="trainer.rollout.training_templates"):
         assert rollout_chat_template(other, counter_tools()) is None
