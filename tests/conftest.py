@@ -14,8 +14,8 @@ import torch
 
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
-from trainer.vllm.admin import VLLMAdminClient
+from trainer.sync import weight_synchronizer
+from trainer.sync.weight_sync import WeightSynchronizer
 
 # The env server fixtures (``server``, test environments) for every test folder: helpers are modules
 # imported as ``tests.<folder>.<module>``, fixtures come from here.
@@ -68,8 +68,7 @@ def restore_served_weights(vllm_server: VLLMServer, tiny_model_dir: Path) -> Ite
     """A weight synchroniser for the shared server; puts the checkpoint's weights back afterwards."""
     from transformers import AutoModelForCausalLM
 
-    admin = VLLMAdminClient(vllm_server.base_url, timeout_s=120)
-    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir))
+    sync = weight_synchronizer(vllm_server.base_url, tiny_model_dir)
     yield sync
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     sync.sync(original.named_parameters(), version=0)

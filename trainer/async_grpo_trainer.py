@@ -336,25 +336,6 @@ class AsyncGRPOTrainer(Trainer):
             self.feed.close()
             self.feed = None
 
-    def _server_limits(self, admin: VLLMAdminClient) -> tuple[int, int | None]:
-        from trainer.vllm.client import kv_cache_tokens, parse_prometheus
-
-        deadline = time.monotonic() + self.args.vllm_server_timeout
-        while True:
-            try:
-                models = admin.request("GET", "/v1/models")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-        max_model_len = int(models["data"][0]["max_model_len"])
-        try:
-            kv_tokens = kv_cache_tokens(parse_prometheus(admin.request("GET", "/metrics")))
-        except Exception:
-            kv_tokens = None
-        return max_model_len, kv_tokens
-
     def get_train_dataloader(self) -> MicroBatchStream | StepFeed:  # type: ignore[override]
         """Start the rollout worker and return the micro-batch stream that replaces the DataLoader.
 
@@ -377,12 +358,12 @@ class AsyncGRPOTrainer(Trainer):
         if world > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
-                self._policy_sync.connect(admin, sharded=self.is_fsdp_enabled)  # FSDP: it gathers with rank 0
+                if self.is_fsdp_enabled:  # it gathers with rank 0, so it learns the way of the syncs too
+                    self._policy_sync.connect(admin, read_server_info(admin), sharded=True)
                 self.feed.wait_ready()
                 return self.feed
-        max_model_len, kv_tokens = self._server_limits(admin)
-        token_budget = args.token_budget or max_model_len
-        server = read_server_info(admin.request)  # the candidate-set path (warned when none), the dtype
+        server = read_server_info(admin)  # waits for the server up to vllm_server_timeout
+        token_budget = args.token_budget or server.max_model_len
         candidates = candidate_path(server, args.top_k, args.top_p, args.min_p)
         mismatch = dtype_mismatch(server, str(next(self.model.parameters()).dtype).removeprefix("torch."))
         if mismatch:
@@ -394,7 +375,7 @@ class AsyncGRPOTrainer(Trainer):
         channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
                                          epoch_size=0 if self.rollout_dataset is None or streaming
                                          else len(self.rollout_dataset))
-        self._policy_sync.connect(admin, sharded=self.is_fsdp_enabled)
+        self._policy_sync.connect(admin, server, sharded=self.is_fsdp_enabled)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if (version > 0 or self._policy_sync.adapter is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._policy_sync.sync(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
@@ -404,7 +385,7 @@ class AsyncGRPOTrainer(Trainer):
             config=args, model_name=self.model_id, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
             processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
             environment_factory=self.environment_factory, dataset_start_index=start, dataset_skip_positions=done,
-            max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
+            max_model_len=server.max_model_len, kv_cache_tokens=server.kv_cache_tokens,
             lora_name=self._policy_sync.adapter.lora_name if self._policy_sync.adapter is not None else None,
             served_model=server.model, candidates=candidates,
         )

@@ -141,7 +141,6 @@ async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str
             await asyncio.sleep(0.005)
             late_s += max(time.monotonic() - t - 0.005, 0.0)
 
-    await loop.sampler.limits()  # as AsyncRolloutLoop.run() does before the first rollout
     t0, cpu0 = time.monotonic(), time.process_time()
     loop.start_clock()
     await asyncio.gather(poll(), probe(), *(worker(i) for i in range(concurrency)))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -50,13 +49,10 @@ from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
-from trainer.vllm.client import (
-    SamplerClient,
-    SamplingParams,
-    kv_cache_tokens,
-    parse_prometheus,
-    server_load,
-)
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import SamplerClient, SamplingParams
+from trainer.vllm.prometheus import parse_prometheus, server_load
+from trainer.vllm.server_info import read_server_info
 
 MAX_TOKENS = 64
 
@@ -153,7 +149,6 @@ async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurren
     gate = AdaptiveCap(concurrency, None, 0)  # never waits: counts the requests in flight
     me = threading.get_native_id()
     async with SamplerClient(base_url, max_connections=concurrency, seed=0) as client:
-        await client.model_name()
         start = time.monotonic()
         window = (start + warmup, start + warmup + seconds)
         marks: dict[str, Any] = {}
@@ -230,10 +225,8 @@ def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any
 
 def server_limits(base_url: str) -> tuple[int, int | None]:
     """The server's ``max_model_len`` and KV-cache capacity in tokens (as the trainer reads them)."""
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as r:
-        max_model_len = int(json.load(r)["data"][0]["max_model_len"])
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as r:
-        return max_model_len, kv_cache_tokens(parse_prometheus(r.read().decode()))
+    info = read_server_info(VLLMAdminClient(base_url, timeout_s=30))
+    return info.max_model_len, info.kv_cache_tokens
 
 
 def idle_fraction(server: VLLMServer, model_dir: Path, out: str, steps: int, max_staleness: int) -> tuple[float, float]:

@@ -5,8 +5,9 @@ Command (from the repository root, after ``make setup``)::
     .venv/bin/python bench/vllm_cpu/bench_sampler.py [--concurrency 32] [--requests 256] [--max-tokens 128]
 
 Prints: seconds to readiness; generated tokens/s at the given concurrency through our
-:class:`~trainer.vllm.client.SamplerClient`; the time of one full weight update through the
-``toolgym_shm`` backend (pause, transfer, finish, reset prefix cache, resume), median of 5.
+:class:`~trainer.vllm.client.SamplerClient`; the time of one full weight update through the backend
+the server runs (``toolgym_shm`` on CPU: the whole update in one call, ``weight_sync_pause="none"``,
+then a prefix-cache reset), median of 5.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
-from trainer.vllm.admin import VLLMAdminClient
+from trainer.sync import weight_synchronizer
 from trainer.vllm.client import SamplerClient, SamplingParams
 
 
@@ -33,8 +33,6 @@ async def generated_tokens_per_s(base_url: str, concurrency: int, requests: int,
     params = SamplingParams(max_tokens=max_tokens, logprobs=8)
     gate = asyncio.Semaphore(concurrency)
     async with SamplerClient(base_url, max_connections=concurrency) as client:
-        await client.limits()
-
         async def one(i: int) -> int:
             async with gate:
                 turn = await client.complete([5, 17, 42, 99, 7, i % 50 + 3], params)
@@ -60,8 +58,7 @@ def main() -> None:
             tps, tokens = asyncio.run(
                 generated_tokens_per_s(server.base_url, args.concurrency, args.requests, args.max_tokens)
             )
-            admin = VLLMAdminClient(server.base_url, timeout_s=120)
-            sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(model_dir))
+            sync = weight_synchronizer(server.base_url, model_dir)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             n_params = sum(p.numel() for p in model.parameters())
             totals = [sync.sync(model.named_parameters(), version=v).total_s for v in range(1, 6)]

@@ -11,14 +11,13 @@ from transformers import AutoModelForCausalLM
 
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.exceptions import VLLMServerError, WeightSyncError
+from trainer.sync.backends.shared_memory import SharedMemorySender
 from trainer.sync.vllm_plugin import PROTOCOL_VERSION
-from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
-from trainer.vllm.client import (
-    SamplerClient,
-    SamplingParams,
-    parse_prometheus,
-    server_load,
-)
+from trainer.sync.weight_sync import WeightSynchronizer, checkpoint_manifest
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.client import SamplerClient, SamplingParams
+from trainer.vllm.prometheus import parse_prometheus, server_load
+from trainer.vllm.server_info import read_server_info
 
 PROMPT = [5, 17, 42, 99, 7]
 
@@ -63,16 +62,19 @@ def test_same_seed_same_tokens(vllm_server: VLLMServer) -> None:
     assert any(o != first.output_ids for o in others), "different seeds should not all agree"
 
 
-def test_metrics_parse_into_load_and_limits(vllm_server: VLLMServer) -> None:
+def test_metrics_parse_into_load_and_server_info(vllm_server: VLLMServer, tiny_model_dir: Path) -> None:
     async def go():
         async with SamplerClient(vllm_server.base_url) as client:
-            return await client.load(), await client.limits(), await client._metrics_text()
+            return await client.load(), await client._metrics_text()
 
-    load, limits, text = asyncio.run(go())
+    load, text = asyncio.run(go())
     assert load is not None and 0.0 <= load.kv_cache_usage <= 1.0
     assert load.running >= 0 and load.waiting >= 0 and load.preemptions >= 0
-    assert limits.max_model_len == 1024
-    assert limits.kv_cache_tokens is not None and limits.kv_cache_tokens > 1024
+    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60))
+    assert (info.model, info.max_model_len, info.dtype) == (str(tiny_model_dir), 1024, "float32")
+    assert info.kv_cache_tokens is not None and info.kv_cache_tokens > 1024
+    assert (info.logprobs_mode, info.max_logprobs) == ("processed_logprobs", 20)
+    assert info.weight_transfer_backend == "toolgym_shm" and info.lora is None
     names = {name for name, _, _ in parse_prometheus(text)}
     assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"} <= names
 

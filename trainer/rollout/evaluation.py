@@ -19,6 +19,8 @@ from transformers import AutoTokenizer
 from trainer.config import AsyncGRPOConfig
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.worker import WorkerChannels
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import read_server_info
 
 
 @dataclass
@@ -56,9 +58,11 @@ def evaluate_policy(
         report_to="none", use_cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=0, initial_version=0)
+    server = read_server_info(VLLMAdminClient(base_url, timeout_s=config.vllm_server_timeout))
     loop = AsyncRolloutLoop(config=config, model_name=model_dir, dataset=None, reward_funcs=[],
                             processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
-                            environment_factory=environment_factory)
+                            environment_factory=environment_factory, max_model_len=server.max_model_len,
+                            served_model=server.model)
 
     results = asyncio.run(loop.evaluate(rows, samples_per_row, concurrency))
     rewards = [e[1] if e is not None else 0.0 for _, _, e in results]

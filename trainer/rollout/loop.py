@@ -100,7 +100,7 @@ class AsyncRolloutLoop:
             asks for the adapter of the policy version its group started under
             (:meth:`rollout_model`). ``None``: the base model's name.
         served_model: The name the server serves the trainer's model under (requests name it);
-            ``None``: the base model ``/v1/models`` lists.
+            ``None``: requests name none, and vLLM serves its base model.
         candidates: How each sampled token's top-k/top-p candidate set is read from the server, as
             chosen at start (:func:`trainer.vllm.server_info.candidate_path`); ``None``: not at all.
     """
@@ -321,9 +321,7 @@ class AsyncRolloutLoop:
             Per rollout: its prompt, the :class:`Rollout`, and the environment's ``(source, reward)``
             (``None`` without an environment or a ``get_reward``).
         """
-        limits = await self.sampler.limits()
-        self.max_model_len = limits.max_model_len
-        self.cap = AdaptiveCap(concurrency, None, limits.max_model_len)
+        self.cap = AdaptiveCap(concurrency, None, self.max_model_len)
         try:
             jobs = [self._one_rollout(row, i) for i, row in enumerate(rows) for _ in range(samples_per_row)]
             return list(await asyncio.gather(*jobs))
@@ -345,7 +343,6 @@ class AsyncRolloutLoop:
         self._groups: set[asyncio.Task[None]] = set()
         try:
             await self.sampler.wait_ready(self.config.vllm_server_timeout)
-            await self.sampler.model_name()
             self.cap = AdaptiveCap(self.config.max_concurrent_rollouts, self.kv_cache_tokens, self.max_model_len)
             self.allowance = TokenAllowance()
             self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int]] = asyncio.Queue(

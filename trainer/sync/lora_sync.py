@@ -1,8 +1,9 @@
 """Adapter-only LoRA sync: the server serves each policy version as a LoRA adapter of its own.
 
 Chosen at trainer start when the model is a PEFT LoRA model and the server runs ``--enable-lora``
-with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (read from the dev-mode ``/server_info`` route, like the
-``/pause`` and weight-transfer routes every sync uses); otherwise the trainer merges the adapter
+with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (:attr:`ServerInfo.lora
+<trainer.vllm.server_info.ServerInfo.lora>`, read once at start from the dev-mode ``/server_info``
+route, like the ``/pause`` and weight-transfer routes every sync uses); otherwise the trainer merges the adapter
 into the base weights and sends those (:func:`trainer.sync.weight_sync.merged_lora_weights`). One sync::
 
     save_pretrained  -> <output_dir>/.vllm_lora/<lora_name>-v<version>/
@@ -28,7 +29,6 @@ import logging
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,6 +36,7 @@ from trainer.exceptions import ConfigError, VLLMServerError, WeightSyncError
 from trainer.records import adapter_name
 from trainer.sync.weight_sync import SyncTimings
 from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import LoRALimits, ServerInfo
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -44,37 +45,18 @@ LORA_CACHE_DIR = ".vllm_lora"
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ServerLoRAConfig:
-    """What the server allows for adapters loaded at run time (its ``--max-loras``, ``--max-lora-rank``)."""
+def runtime_lora_limits(server: ServerInfo) -> LoRALimits | None:
+    """The server's LoRA limits when it can load adapters at run time, ``None`` when it cannot (then
+    the merged sync is used).
 
-    max_loras: int
-    max_lora_rank: int
-
-
-def server_lora_config(client: VLLMAdminClient) -> ServerLoRAConfig | None:
-    """The server's LoRA limits when it can load adapters at run time, ``None`` when it cannot.
-
-    It can when it was started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``;
-    both are read from ``/server_info``. A server without that route (not in dev mode) cannot
-    be told apart, so it gets the merged sync.
+    It can when it was started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. A
+    server outside dev mode (no ``/server_info``) cannot be told apart from one without them.
     """
-    try:
-        info = client.request("GET", "/server_info?config_format=json")
-    except VLLMServerError as exc:
-        logger.info("LoRA: /server_info is not available (%s); using the merged-weight sync", exc.message)
-        return None
-    if not isinstance(info, dict):
-        return None
-    lora = (info.get("vllm_config") or {}).get("lora_config")
-    runtime = str((info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower()
-    if not lora:
-        return None
-    if runtime not in ("true", "1"):
+    if server.lora is not None and not server.lora.runtime_loading:
         logger.warning("LoRA: the server runs --enable-lora without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so "
                        "adapters cannot be loaded at run time; using the merged-weight sync")
         return None
-    return ServerLoRAConfig(max_loras=int(lora["max_loras"]), max_lora_rank=int(lora["max_lora_rank"]))
+    return server.lora
 
 
 def adapter_rank(model: PeftModel) -> int:
@@ -107,7 +89,7 @@ def adapter_sync_obstacle(model: PeftModel) -> str | None:
     return None
 
 
-def check_lora_limits(server: ServerLoRAConfig, max_staleness: int, rank: int) -> None:
+def check_lora_limits(server: LoRALimits, max_staleness: int, rank: int) -> None:
     """Raise :class:`ConfigError` naming the flag to restart the server with when the limits do not fit.
 
     ``max_staleness + 1`` versions stay registered and the next one is loaded before the oldest

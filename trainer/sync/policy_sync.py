@@ -1,9 +1,10 @@
 """The trainer's side of the weight sync, on every rank: which way the weights go, and when.
 
-At start (:meth:`PolicySync.connect`) rank 0 picks the way for the whole run: adapter-only when the
-model is a PEFT LoRA model and the server loads adapters at run time (:mod:`trainer.sync.lora_sync`),
-else the full weights (LoRA merged into them) through the transfer backend that matches the server
-(``toolgym_shm`` on CPU, NCCL on GPU: :mod:`trainer.sync.weight_sync`). A sync that needs no pause
+At start (:meth:`PolicySync.connect`) rank 0 picks the way for the whole run from what the server
+said at start (:class:`~trainer.vllm.server_info.ServerInfo`): adapter-only when the model is a PEFT
+LoRA model and the server loads adapters at run time (:mod:`trainer.sync.lora_sync`), else the full
+weights (LoRA merged into them, :mod:`trainer.sync.weight_sync`) through the weight-transfer backend
+the server runs (:mod:`trainer.sync.backends`). A sync that needs no pause
 of the server runs on a thread while the next step goes on (:mod:`trainer.sync.background`). Under
 FSDP2 every rank joins the gathers of each sync (:mod:`trainer.sync.gather`) and rank 0 sends.
 
@@ -14,19 +15,18 @@ trainer, the stream and new rollouts through the ``publish`` callback.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-import torch
 from accelerate import Accelerator
 from torch import nn
 
 from trainer.config import AsyncGRPOConfig
 from trainer.metrics import MetricWindow
+from trainer.sync.backends import make_sender
 from trainer.sync.background import BackgroundSync
 from trainer.sync.gather import PolicyWeights, adapter_state_dict, is_sharded
 from trainer.sync.lora_sync import (
@@ -35,16 +35,11 @@ from trainer.sync.lora_sync import (
     adapter_rank,
     adapter_sync_obstacle,
     check_lora_limits,
-    server_lora_config,
+    runtime_lora_limits,
 )
-from trainer.sync.weight_sync import (
-    SharedMemorySender,
-    SyncTimings,
-    WeightSender,
-    WeightSynchronizer,
-    checkpoint_manifest,
-)
+from trainer.sync.weight_sync import SyncTimings, WeightSynchronizer, checkpoint_manifest
 from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import ServerInfo
 
 __all__ = ["PolicySync"]
 
@@ -84,46 +79,40 @@ class PolicySync:
     def _rank_zero(self) -> bool:
         return bool(self._args.process_index == 0)
 
-    def connect(self, admin: VLLMAdminClient, sharded: bool) -> None:
-        """Pick the way of every sync of the run, on rank 0; under FSDP2 (``sharded``) the other ranks
-        learn it too (they gather an adapter or the weights with rank 0)."""
+    def connect(self, admin: VLLMAdminClient, server: ServerInfo, sharded: bool) -> None:
+        """Pick the way of every sync of the run from ``server`` (read once at start), on rank 0; under
+        FSDP2 (``sharded``) the other ranks learn it too (they gather an adapter or the weights with rank 0).
+
+        Raises:
+            ConfigError: The server runs no weight-transfer backend the trainer can drive, or its LoRA
+                limits do not fit the run (the message names the flag to restart it with).
+        """
         if not self._rank_zero:
             if sharded:
-                self.adapter = self._make_adapter_sync(admin)
+                self.adapter = self._make_adapter_sync(admin, server)
             return
-        self.adapter = self._make_adapter_sync(admin)
+        self.adapter = self._make_adapter_sync(admin, server)
         if self.adapter is None:
-            self._syncer = WeightSynchronizer(admin, self._make_sender(admin), self.manifest(),
-                                              pause_mode=self._args.weight_sync_pause)
+            self._syncer = WeightSynchronizer(admin, make_sender(server.weight_transfer_backend, admin),
+                                              self.manifest(), pause_mode=self._args.weight_sync_pause)
             if self._syncer.pause_mode == "none" and not sharded:  # FSDP: every rank gathers, in step
                 self._background = BackgroundSync()
 
-    def _make_sender(self, admin: VLLMAdminClient) -> WeightSender:
-        """The weight-transfer backend matching the server (``toolgym_shm`` on CPU, NCCL on GPU)."""
-        if torch.cuda.is_available():
-            from trainer.sync.weight_sync import NCCLSender
-
-            world = admin.request("GET", "/get_world_size")
-            size = int(world.get("world_size", 1)) if isinstance(world, dict) else int(world)
-            port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216"))
-            return NCCLSender(admin, os.environ.get("TOOLGYM_WEIGHT_SYNC_HOST", "127.0.0.1"), port, size)
-        return SharedMemorySender(admin)
-
-    def _make_adapter_sync(self, admin: VLLMAdminClient) -> LoRAAdapterSync | None:
+    def _make_adapter_sync(self, admin: VLLMAdminClient, server: ServerInfo) -> LoRAAdapterSync | None:
         """Adapter-only sync when the model is a PEFT LoRA model and the server loads adapters at run
         time (limits checked here, with the flag to restart the server with); else ``None`` (merged)."""
         model = self._accelerator.unwrap_model(self._model())
         if not hasattr(model, "peft_config"):
             return None
-        server = server_lora_config(admin)
-        if server is None:
+        limits = runtime_lora_limits(server)
+        if limits is None:
             return None
         obstacle = adapter_sync_obstacle(model)
         if obstacle is not None:
             logger.warning("LoRA: the server runs --enable-lora but the model has %s; using the merged-weight sync",
                            obstacle)
             return None
-        check_lora_limits(server, self._args.max_staleness, adapter_rank(model))
+        check_lora_limits(limits, self._args.max_staleness, adapter_rank(model))
         cache = Path(cast(str, self._args.output_dir)) / LORA_CACHE_DIR  # set by TrainingArguments.__post_init__
         logger.info("LoRA: adapter-only sync (versions under %s, %d kept registered)",
                     cache, self._args.max_staleness + 1)

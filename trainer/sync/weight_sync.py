@@ -16,7 +16,7 @@ The pause mode is ``weight_sync_pause``:
   engine runs that call between two of its steps, so no step sees a half-loaded model, and
   generation stops only for the load itself. On other backends ``"none"`` pauses as ``"keep"``.
 * ``"keep"`` (above).
-* ``"reset"``: the source's ``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV
+* ``"reset"``: vLLM's plain ``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV
   cache and so preempts every running request: each one recomputes its whole prefix after the
   sync (hundreds of prefills at once under load), and the pause itself grows with the requests it
   preempts.
@@ -26,15 +26,9 @@ refuses it otherwise), and running requests go on under the new weights with the
 request that reuses an older prefix is still trained correctly, as its sampler log-probs are those
 of the weights that produced it (``docs/pipeline.md``).
 
-Backends (chosen to match the server's ``--weight-transfer-config``):
-
-* ``toolgym_shm`` (:class:`SharedMemorySender`, CPU): each chunk is a safetensors file in shared
-  memory; only its path and the tensor metadata travel in the JSON body. The server side is
-  :mod:`trainer.sync.vllm_plugin`.
-* ``nccl`` (:class:`NCCLSender`, GPU): vLLM's own trainer-side engine
-  (``NCCLTrainerWeightTransferEngine``) broadcasting from trainer rank 0 to the server's workers
-  (``rank_offset=1``), with :class:`VLLMAdminClient` as its control-plane client, so the HTTP call
-  carries the timeout and a failure raises instead of hanging.
+The backend that moves the tensors is the one the server runs (``--weight-transfer-config``),
+taken from the table of :mod:`trainer.sync.backends`; :func:`trainer.sync.push_weights` does a
+whole sync in one call.
 
 Every tensor is checked against the served checkpoint's names and shapes *before*
 ``/start_weight_update``: a failure after that point leaves the server half-updated, so it is
@@ -47,17 +41,15 @@ import json
 import logging
 import os
 import struct
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from trainer.exceptions import WeightSyncError
-from trainer.sync.vllm_plugin import PROTOCOL_VERSION
 from trainer.vllm.admin import VLLMAdminClient
 
 logger = logging.getLogger(__name__)
@@ -117,7 +109,8 @@ def merged_lora_weights(model: torch.nn.Module) -> NamedTensors:
 
 
 class WeightSender(Protocol):
-    """A backend that moves tensors into the server between start and finish."""
+    """A backend that moves tensors into the server between start and finish (one per file in
+    :mod:`trainer.sync.backends`)."""
 
     supports_whole_update: bool  # can load a whole update in one engine call (no pause needed)
 
@@ -129,147 +122,6 @@ class WeightSender(Protocol):
         """Run start -> update(s) -> finish(version) for ``weights``; with ``whole_update``, one
         update call loads everything (only where ``supports_whole_update``). ``read_done`` is called
         once ``weights`` are no longer read (the caller may change them from then on)."""
-
-
-def _chunks(weights: TensorSource, max_bytes: int) -> Iterator[NamedTensors]:
-    chunk: NamedTensors = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > max_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, tensor))
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
-def _shared_memory_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-class SharedMemorySender:
-    """``toolgym_shm`` backend: safetensors files in shared memory, metadata over HTTP.
-
-    Args:
-        client: The server's admin client.
-        chunk_bytes: Largest chunk written at once (bounds the shared memory in use).
-    """
-
-    supports_whole_update = True
-
-    def __init__(self, client: VLLMAdminClient, chunk_bytes: int = 512 << 20) -> None:
-        self.client = client
-        self.chunk_bytes = chunk_bytes
-
-    def init(self) -> None:
-        """Handshake: tells the server's engine which wire protocol we speak."""
-        self.client.init_weight_transfer_engine({"protocol_version": PROTOCOL_VERSION})
-
-    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False,
-                 read_done: Callable[[], None] | None = None) -> None:
-        """Write each chunk to shared memory and have the server load it (chunk by chunk, or, with
-        ``whole_update``, every chunk written first, ``read_done`` called, and all loaded by one call),
-        then finish.
-
-        One chunk at a time bounds the shared memory in use by ``chunk_bytes``; a whole update
-        holds the whole policy there until the server has loaded it.
-        """
-        with tempfile.TemporaryDirectory(prefix="toolgym-weights-", dir=_shared_memory_dir()) as tmp:
-            chunks = (self._write(tmp, i, chunk) for i, chunk in enumerate(_chunks(weights, self.chunk_bytes)))
-            if whole_update:
-                first, *rest = list(chunks) or [self._write(tmp, 0, [])]
-                if read_done is not None:
-                    read_done()
-                self.client.start_weight_update()
-                self.client.update_weights({**first, "more_chunks": rest, "whole_update": True})
-            else:
-                self.client.start_weight_update()
-                for info in chunks:
-                    self.client.update_weights(info)
-                    os.unlink(info["path"])
-                if read_done is not None:
-                    read_done()
-        self.client.finish_weight_update(str(version))
-
-    @staticmethod
-    def _write(tmp: str, index: int, chunk: NamedTensors) -> dict[str, Any]:
-        """Save ``chunk`` as a safetensors file in ``tmp``; the update info that describes it."""
-        from safetensors.torch import save_file
-
-        path = os.path.join(tmp, f"chunk{index}.safetensors")
-        save_file({n: t.detach().contiguous().cpu() for n, t in chunk}, path)
-        return {"path": path, "names": [n for n, _ in chunk],
-                "dtype_names": [str(t.dtype).split(".")[-1] for _, t in chunk],
-                "shapes": [list(t.shape) for _, t in chunk]}
-
-
-class _StaticSource:
-    """A re-iterable (name, tensor) source in the shape vLLM's trainer engines expect."""
-
-    def __init__(self, weights: TensorSource) -> None:
-        self.weights = weights
-
-    def metadata(self) -> list[Any]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
-        meta = getattr(self.weights, "meta", None)  # streamed: described without gathering
-        listed: TensorSource = meta() if meta is not None else self.weights
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in listed]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.weights)
-
-
-class NCCLSender:
-    """``nccl`` backend through vLLM's ``NCCLTrainerWeightTransferEngine`` (GPU servers).
-
-    The trainer's rank 0 is NCCL rank 0; the server's workers join at ``rank_offset=1``.
-    This path needs CUDA on both sides, so it is not exercised by the CPU test-suite.
-
-    Args:
-        client: The server's admin client (carries the HTTP timeout).
-        master_address: Address of the rendezvous store that this trainer opens.
-        master_port: Its port.
-        server_world_size: Number of the server's workers (``/get_world_size``).
-    """
-
-    supports_whole_update = False  # vLLM's NCCL engine drives start / update / finish itself
-
-    def __init__(self, client: VLLMAdminClient, master_address: str, master_port: int, server_world_size: int) -> None:
-        self.client = client
-        self.master_address = master_address
-        self.master_port = master_port
-        self.server_world_size = server_world_size
-        self._source = _StaticSource([])
-        self._engine: Any = None
-
-    def init(self) -> None:
-        """Rendezvous with the server's workers and open the NCCL group."""
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
-
-        info = NCCLTrainerInitInfo(
-            master_address=self.master_address, master_port=self.master_port,
-            world_size=self.server_world_size + 1, rank=0,
-        )
-        # _StaticSource quacks like vllm's WeightSource; subclassing it would import vllm with this module.
-        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            info, client=self.client, source=self._source)  # type: ignore[arg-type]
-
-    def transfer(self, weights: TensorSource, version: int, whole_update: bool = False,
-                 read_done: Callable[[], None] | None = None) -> None:
-        """Broadcast ``weights`` (start/update/finish are driven by vLLM's engine)."""
-        if whole_update:
-            raise WeightSyncError("the nccl backend cannot load a whole update in one call")
-        self._source.weights = weights
-        self._engine.send_weights()
-        if read_done is not None:
-            read_done()
-        self.client.request("POST", "/update_weight_version", {"new_version": str(version)}, error=WeightSyncError)
 
 
 @dataclass
@@ -299,7 +151,7 @@ class WeightSynchronizer:
             checked before anything reaches the server.
         pause_mode: ``"none"`` (the whole update in one engine call, no pause, where the backend
             can; else as ``"keep"``), ``"keep"`` (running requests keep their KV cache) or
-            ``"reset"`` (the source's pause: the KV cache is cleared, preempting every running
+            ``"reset"`` (vLLM's plain pause: the KV cache is cleared, preempting every running
             request).
     """
 

@@ -29,16 +29,18 @@ class VLLMAdminClient:
         self.timeout_s = timeout_s
 
     def request(
-        self, method: str, path: str, body: Any = None, *, error: type[VLLMServerError] = VLLMServerError
+        self, method: str, path: str, body: Any = None, *, error: type[VLLMServerError] = VLLMServerError,
+        timeout_s: float | None = None,
     ) -> Any:
-        """Call ``path``; returns the decoded JSON (or text) body, raises ``error`` on failure."""
+        """Call ``path``; returns the decoded JSON (or text) body, raises ``error`` on failure.
+        ``timeout_s`` bounds this call instead of the client's timeout."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             f"{self.base_url}{path}", data=data, method=method,
             headers={"Content-Type": "application/json"} if data is not None else {},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise error(f"{method} {path} failed with HTTP {e.code}", e.read().decode(errors="replace")) from None

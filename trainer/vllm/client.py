@@ -1,4 +1,4 @@
-"""Async client for the vLLM sampler: token-id completions with log-probs, load and limits.
+"""Async client for the vLLM sampler: token-id completions with log-probs, and the server's load.
 
 Requests go to ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
 ``return_tokens_as_token_ids`` (else top-logprob keys of different tokens that decode to the same
@@ -12,10 +12,13 @@ Under top-k/top-p/min-p truncation each sampled token's candidate set comes back
 start: the server's sampling mask through ``/inference/v1/generate``, or the finite entries of the
 top ``top_k`` processed log-probs of ``/v1/completions``.
 
-Completions and control requests (``/health``, ``/v1/models``, ``/metrics``) use two connection
-pools: the completions' pool holds one connection per rollout slot, so a ``/metrics`` poll never
-takes a rollout's connection or waits behind the completions (aiohttp would queue the request
-out of sight of the concurrency cap).
+What the server is (its model's name, ``max_model_len``, KV-cache size) is read once at start by
+:func:`trainer.vllm.server_info.read_server_info` and handed to this client; it reads none of it.
+
+Completions and control requests (``/health``, ``/metrics``) use two connection pools: the
+completions' pool holds one connection per rollout slot, so a ``/metrics`` poll never takes a
+rollout's connection or waits behind the completions (aiohttp would queue the request out of
+sight of the concurrency cap).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +34,11 @@ import aiohttp
 
 from trainer.exceptions import VLLMServerError
 from trainer.records import TurnRecord
-from trainer.vllm.server_info import (
-    EXCLUDED_LOGPROB,
-    GENERATE_ROUTE,
-    CandidatePath,
-    candidate_set,
-    served_model_entry,
-)
+from trainer.vllm.prometheus import ServerLoad, parse_prometheus, server_load
+from trainer.vllm.server_info import EXCLUDED_LOGPROB, GENERATE_ROUTE, CandidatePath, candidate_set
 
-_PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$")
-_PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 logger = logging.getLogger(__name__)
-_CONTROL_CONNECTIONS = 4  # /health, /v1/models and /metrics: one at a time in practice
+_CONTROL_CONNECTIONS = 4  # /health and /metrics: one at a time in practice
 # An idle pooled connection is dropped after this long, well inside vLLM's (uvicorn's) 5 s keep-alive:
 # a connection the server already closed, reused before a CPU-starved client loop has seen the close,
 # fails its request, which then waits out a retry backoff while holding a rollout slot.
@@ -70,62 +65,6 @@ class SamplingParams:
         return max(self.logprobs, self.top_k) if self.candidates == "processed_topk" else self.logprobs
 
 
-@dataclass
-class ServerLoad:
-    """The server's load as read from ``/metrics`` (summed/maxed over engines)."""
-
-    kv_cache_usage: float
-    running: float
-    waiting: float
-    preemptions: float
-
-
-@dataclass
-class ServerLimits:
-    """Sizes discovered from the server."""
-
-    model: str
-    max_model_len: int
-    kv_cache_tokens: int | None
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Parse Prometheus text exposition into ``(name, labels, value)`` samples."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _PROM_LINE.match(line.strip())
-        if m:
-            labels = dict(_PROM_LABEL.findall(m.group(2) or ""))
-            samples.append((m.group(1), labels, float(m.group(3))))
-    return samples
-
-
-def server_load(samples: list[tuple[str, dict[str, str], float]]) -> ServerLoad:
-    """Reduce parsed ``/metrics`` samples to a :class:`ServerLoad` (max KV use, summed counts)."""
-    def values(name: str) -> list[float]:
-        return [v for n, _, v in samples if n == name]
-
-    kv = values("vllm:kv_cache_usage_perc")
-    return ServerLoad(
-        kv_cache_usage=max(kv) if kv else 0.0,
-        running=sum(values("vllm:num_requests_running")),
-        waiting=sum(values("vllm:num_requests_waiting")),
-        preemptions=sum(values("vllm:num_preemptions_total")),
-    )
-
-
-def kv_cache_tokens(samples: list[tuple[str, dict[str, str], float]]) -> int | None:
-    """KV-cache capacity in tokens from ``vllm:cache_config_info`` (blocks x block size)."""
-    for name, labels, _ in samples:
-        if name == "vllm:cache_config_info":
-            blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks")
-            if blocks and blocks != "None" and labels.get("block_size"):
-                return int(blocks) * int(labels["block_size"])
-    return None
-
-
 def _token_id(key: str) -> int:
     # With return_tokens_as_token_ids the keys read "token_id:123".
     return int(key.rsplit(":", 1)[1])
@@ -143,6 +82,9 @@ class SamplerClient:
         backoff_s: First retry delay; doubles each retry (with jitter).
         seed: Seeds the generator of the per-request sampling seeds and of the retry jitter;
             ``None``: unseeded (not reproducible).
+        model: The name requests give the model (:attr:`ServerInfo.model
+            <trainer.vllm.server_info.ServerInfo.model>`); ``None``: requests name none, and vLLM
+            serves them its base model.
     """
 
     def __init__(
@@ -153,6 +95,7 @@ class SamplerClient:
         max_retries: int = 5,
         backoff_s: float = 0.5,
         seed: int | None = None,
+        model: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_connections = max_connections
@@ -160,7 +103,7 @@ class SamplerClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.retry_count = 0
-        self.model: str | None = None
+        self.model = model
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
         self._rng = random.Random(seed)
@@ -180,7 +123,7 @@ class SamplerClient:
 
     @property
     def control_session(self) -> aiohttp.ClientSession:
-        """The session of ``/health``, ``/v1/models`` and ``/metrics`` (its own small pool)."""
+        """The session of ``/health`` and ``/metrics`` (its own small pool)."""
         if self._control_session is None or self._control_session.closed:
             self._control_session = self._new_session(_CONTROL_CONNECTIONS)
         return self._control_session
@@ -214,28 +157,6 @@ class SamplerClient:
             await asyncio.sleep(0.5)
         raise VLLMServerError(f"vLLM server at {self.base_url} not ready after {timeout_s:.0f} s ({last})")
 
-    async def limits(self) -> ServerLimits:
-        """The served model name, ``max_model_len`` and KV-cache capacity in tokens."""
-        first = await self._first_model()
-        samples = parse_prometheus(await self._metrics_text())
-        return ServerLimits(model=first["id"], max_model_len=int(first["max_model_len"]),
-                            kv_cache_tokens=kv_cache_tokens(samples))
-
-    async def model_name(self) -> str:
-        """The served (base) model's name, fetched from ``/v1/models`` once and kept in :attr:`model`."""
-        if self.model is None:
-            await self._first_model()
-        assert self.model is not None
-        return self.model
-
-    async def _first_model(self) -> dict[str, Any]:
-        """The base model's entry of ``/v1/models`` (not a LoRA adapter listed before it)."""
-        async with self.control_session.get(f"{self.base_url}/v1/models") as r:
-            models = await r.json()
-        entry = served_model_entry(models, self.model)
-        self.model = entry["id"]
-        return entry
-
     async def _metrics_text(self) -> str:
         async with self.control_session.get(f"{self.base_url}/metrics") as r:
             if r.status != 200:
@@ -253,8 +174,7 @@ class SamplerClient:
                        model: str | None = None) -> TurnRecord:
         """Sample one completion of ``prompt_ids``; retried on transport errors and 5xx.
 
-        ``model`` names a LoRA adapter loaded on the server; the base model when ``None`` (its name
-        is fetched on the first request unless :meth:`model_name` or :meth:`limits` ran before).
+        ``model`` names a LoRA adapter loaded on the server; :attr:`model` when ``None``.
         """
         sampling: dict[str, Any] = {
             "max_tokens": params.max_tokens,
@@ -269,12 +189,13 @@ class SamplerClient:
             sampling["min_p"] = params.min_p
         if params.stop_token_ids:
             sampling["stop_token_ids"] = params.stop_token_ids
-        name = model or await self.model_name()
+        name = model or self.model
+        named: dict[str, Any] = {"model": name} if name else {}
         body: dict[str, Any]
         if params.candidates == "sampling_mask":
-            body = {"model": name, "token_ids": prompt_ids, "sampling_params": {**sampling, "detokenize": False}}
+            body = {**named, "token_ids": prompt_ids, "sampling_params": {**sampling, "detokenize": False}}
             return _generate_turn(prompt_ids, await self._post_with_retries(GENERATE_ROUTE, body), params.logprobs)
-        body = {"model": name, "prompt": prompt_ids, "return_token_ids": True, "return_tokens_as_token_ids": True,
+        body = {**named, "prompt": prompt_ids, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 **sampling}
         data = await self._post_with_retries("/v1/completions", body)
         candidates_k = params.top_k if params.candidates == "processed_topk" else 0

@@ -1,32 +1,40 @@
-"""What the vLLM server can do, read from the server at start, and the choices the trainer makes from it.
+"""What the vLLM server is and can do, read once at start (:func:`read_server_info`), and the
+choices the trainer makes from it.
 
-Read once by the trainer before the rollout worker starts (:func:`read_server_info`):
+:func:`read_server_info` waits for the server (up to ``vllm_server_timeout``, saying every few
+seconds what it waits for), then reads it once: one ``GET /v1/models``, one ``GET /server_info``
+(dev mode), one ``GET /metrics``. The :class:`ServerInfo` it returns goes to whoever needs it:
 
 * the served model's name (requests name it; a server may list LoRA adapters too),
-  ``max_model_len`` and the serving dtype (a mismatch with the trainer's ``dtype`` is warned about:
-  :func:`dtype_mismatch`), from ``/v1/models`` and the dev-mode ``/server_info``;
+  ``max_model_len`` and the KV-cache size: the rollout worker's turn limit and concurrency cap;
+* the serving dtype: a mismatch with the trainer's ``dtype`` is warned about (:func:`dtype_mismatch`);
 * how the server can give each sampled token's top-k/top-p candidate set (:func:`candidate_path`):
 
-  - ``"sampling_mask"``: the source's path, ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28
-    with Model Runner V2): the token-in-token-out route ``/inference/v1/generate`` returns the set;
+  - ``"sampling_mask"``: vLLM's own path, ``--return-sampling-mask --enable-scale-out`` (vLLM >=
+    0.28 with Model Runner V2): the token-in-token-out route ``/inference/v1/generate`` returns the set;
   - ``"processed_topk"``: our path on any vLLM started with ``--logprobs-mode processed_logprobs``: the
     top ``top_k`` processed log-probs of a position are finite exactly on its candidate set (vLLM
     writes ``-9999`` for the others), so asking for ``top_k`` of them returns the set whenever
     ``top_k <= --max-logprobs`` (checked here, naming the flag to raise);
   - ``"full_vocab"``: neither: log-probs are normalised over the whole vocabulary, with a warning
     that the importance ratios are biased;
-  - ``None``: no truncation (``top_k=0``, ``top_p=1``, no ``min_p``): nothing to ask for.
+  - ``None``: no truncation (``top_k=0``, ``top_p=1``, no ``min_p``): nothing to ask for;
+
+* its LoRA limits (adapter-only sync, :mod:`trainer.sync.lora_sync`) and the weight-transfer backend
+  it runs (``--weight-transfer-config``), which picks the trainer's side of it (:mod:`trainer.sync.backends`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.exceptions import ConfigError, VLLMServerError
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.prometheus import kv_cache_tokens, parse_prometheus
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +42,26 @@ CandidatePath = Literal["sampling_mask", "processed_topk", "full_vocab"]
 GENERATE_ROUTE = "/inference/v1/generate"
 EXCLUDED_LOGPROB = -9999.0
 """What vLLM writes for the log-prob of a token outside the candidate set (JSON has no ``-inf``)."""
+FIRST_WAIT_LOG_S = 2.0
+"""Seconds without an answer before :func:`read_server_info` says what it is waiting for."""
+WAIT_LOG_EVERY_S = 15.0
+"""Then it says so again this often."""
+_ATTEMPT_S = 10.0  # one attempt's timeout while waiting: a silent address must not stall the log
 
-Request = Callable[..., Any]  # (method, path, body=None) -> decoded JSON; raises VLLMServerError
+
+@dataclass(frozen=True)
+class LoRALimits:
+    """The server's limits on LoRA adapters (``--enable-lora``).
+
+    Attributes:
+        max_loras: ``--max-loras``: adapters served at once.
+        max_lora_rank: ``--max-lora-rank``: the largest rank served.
+        runtime_loading: Whether adapters can be loaded at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
+    """
+
+    max_loras: int
+    max_lora_rank: int
+    runtime_loading: bool
 
 
 @dataclass(frozen=True)
@@ -46,19 +72,27 @@ class ServerInfo:
         model: The served model's name (what a request's ``"model"`` names).
         max_model_len: Longest prompt + completion the server serves.
         dtype: The serving dtype, e.g. ``"float32"`` (``--dtype``).
+        kv_cache_tokens: KV-cache capacity in tokens (from ``/metrics``): the rollout worker's first
+            concurrency cap.
         logprobs_mode: ``--logprobs-mode`` (``"processed_logprobs"`` is what the importance ratio needs).
         max_logprobs: ``--max-logprobs``: the most top log-probs a request may ask for.
         return_sampling_mask: ``--return-sampling-mask``.
         scale_out: Whether ``/inference/v1/generate`` is enabled (``--enable-scale-out``).
+        lora: The LoRA limits; ``None`` without ``--enable-lora``.
+        weight_transfer_backend: The backend of ``--weight-transfer-config`` (e.g. ``"toolgym_shm"``,
+            ``"nccl"``); ``None`` without one (or outside dev mode, where ``/server_info`` is missing).
     """
 
     model: str
     max_model_len: int
     dtype: str | None = None
+    kv_cache_tokens: int | None = None
     logprobs_mode: str | None = None
     max_logprobs: int | None = None
     return_sampling_mask: bool = False
     scale_out: bool = False
+    lora: LoRALimits | None = None
+    weight_transfer_backend: str | None = None
 
 
 def served_model_entry(models: dict[str, Any], configured: Any = None) -> dict[str, Any]:
@@ -75,36 +109,93 @@ def served_model_entry(models: dict[str, Any], configured: Any = None) -> dict[s
     return next((e for e in entries if not e.get("parent")), entries[0])
 
 
-def _scale_out_enabled(request: Request) -> bool:
-    """Probe the token-in-token-out route: 403 when disabled, 404 on a vLLM without it."""
-    try:
-        request("POST", GENERATE_ROUTE, {})
-    except VLLMServerError as exc:
-        return not any(f"HTTP {code}" in exc.message for code in (403, 404, 405))
-    return True
-
-
-def read_server_info(request: Request) -> ServerInfo:
-    """Read :class:`ServerInfo` from a running server through ``request`` (e.g. ``VLLMAdminClient.request``).
+def read_server_info(admin: VLLMAdminClient, wait_s: float | None = None) -> ServerInfo:
+    """Wait for the server, then read :class:`ServerInfo` from it: one ``GET`` each of ``/v1/models``,
+    ``/server_info`` and ``/metrics``.
 
     ``/server_info`` exists in dev mode (``VLLM_SERVER_DEV_MODE=1``, which weight sync needs anyway);
     without it the server's flags are unknown and count as off.
+
+    Args:
+        admin: The server's control client.
+        wait_s: How long to wait for the server to answer (``vllm_server_timeout``); the client's
+            timeout when ``None``. Past a few seconds the wait is logged, naming the URL.
+
+    Raises:
+        VLLMServerError: The server did not answer within ``wait_s``.
     """
+    models = _wait_for_models(admin, admin.timeout_s if wait_s is None else wait_s)
     try:
-        config = request("GET", "/server_info?config_format=json")["vllm_config"]["model_config"]
-    except (VLLMServerError, KeyError, TypeError):
-        config = {}
-    entry = served_model_entry(request("GET", "/v1/models"), config.get("served_model_name"))
+        raw = admin.request("GET", "/server_info?config_format=json")
+        vllm_config, env = raw["vllm_config"], raw.get("vllm_env") or {}
+    except (VLLMServerError, KeyError, TypeError) as exc:
+        logger.info("the vLLM server at %s has no /server_info (%s): not in dev mode (VLLM_SERVER_DEV_MODE=1), "
+                    "so its flags count as off", admin.base_url, getattr(exc, "message", exc))
+        vllm_config, env = {}, {}
+    config = vllm_config.get("model_config") or {}
+    entry = served_model_entry(models, config.get("served_model_name"))
+    max_model_len = entry.get("max_model_len") or config.get("max_model_len")
+    if max_model_len is None:
+        raise VLLMServerError(f"the vLLM server at {admin.base_url} did not say its max_model_len (GET /v1/models)")
     dtype = config.get("dtype")
     return ServerInfo(
         model=str(entry["id"]),
-        max_model_len=int(entry.get("max_model_len") or config.get("max_model_len")),
+        max_model_len=int(max_model_len),
         dtype=str(dtype).removeprefix("torch.") if dtype else None,
+        kv_cache_tokens=_kv_cache_tokens(admin),
         logprobs_mode=config.get("logprobs_mode"),
         max_logprobs=int(config["max_logprobs"]) if config.get("max_logprobs") is not None else None,
         return_sampling_mask=bool(config.get("return_sampling_mask")),
-        scale_out=_scale_out_enabled(request) if config.get("return_sampling_mask") else False,
+        scale_out=_scale_out_enabled(admin) if config.get("return_sampling_mask") else False,
+        lora=_lora_limits(vllm_config.get("lora_config"), env),
+        weight_transfer_backend=(vllm_config.get("weight_transfer_config") or {}).get("backend"),
     )
+
+
+def _wait_for_models(admin: VLLMAdminClient, wait_s: float) -> dict[str, Any]:
+    """``GET /v1/models`` once the server answers it; :class:`VLLMServerError` after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    next_log = time.monotonic() + FIRST_WAIT_LOG_S
+    while True:
+        try:
+            models: dict[str, Any] = admin.request(
+                "GET", "/v1/models", timeout_s=max(min(_ATTEMPT_S, deadline - time.monotonic()), 0.1))
+            return models
+        except VLLMServerError as exc:
+            now = time.monotonic()
+            if now >= deadline:
+                raise VLLMServerError(f"{exc.message} (waited {wait_s:g} s: vllm_server_timeout); check "
+                                      "vllm_server_base_url and that the server is up", exc.detail) from None
+            if now >= next_log:
+                logger.warning("waiting for the vLLM server at %s to answer GET /v1/models (%s); %.0f s left of "
+                               "vllm_server_timeout", admin.base_url, exc.message, deadline - now)
+                next_log = now + WAIT_LOG_EVERY_S
+            time.sleep(min(1.0, deadline - now))
+
+
+def _kv_cache_tokens(admin: VLLMAdminClient) -> int | None:
+    try:
+        return kv_cache_tokens(parse_prometheus(str(admin.request("GET", "/metrics"))))
+    except VLLMServerError as exc:
+        logger.info("GET /metrics failed (%s): the rollout concurrency cap will not adapt to the KV cache",
+                    exc.message)
+        return None
+
+
+def _lora_limits(lora: dict[str, Any] | None, env: dict[str, Any]) -> LoRALimits | None:
+    if not lora:
+        return None
+    runtime = str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() in ("true", "1")
+    return LoRALimits(int(lora["max_loras"]), int(lora["max_lora_rank"]), runtime_loading=runtime)
+
+
+def _scale_out_enabled(admin: VLLMAdminClient) -> bool:
+    """Probe the token-in-token-out route: 403 when disabled, 404 on a vLLM without it."""
+    try:
+        admin.request("POST", GENERATE_ROUTE, {})
+    except VLLMServerError as exc:
+        return not any(f"HTTP {code}" in exc.message for code in (403, 404, 405))
+    return True
 
 
 def truncates(top_k: int, top_p: float, min_p: float | None) -> bool:
@@ -142,7 +233,7 @@ def check_turn_length(prompt_len: int, max_tokens: int, max_model_len: int, trun
     """The ``max_tokens`` a turn may ask for, or :class:`VLLMServerError` when the turn cannot be sampled.
 
     Without truncation a prompt plus ``max_completion_length`` over ``max_model_len`` stops the run
-    (the source's contract: nothing is silently shrunk; vLLM 0.32's ``/v1/completions`` would clamp
+    (nothing is silently shrunk: vLLM 0.32's ``/v1/completions`` would clamp
     ``max_tokens`` without a word, so the trainer refuses in the server's terms). With top-k/top-p the
     turn is cut at ``max_model_len``, and only a prompt already that long is refused.
     """

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from trainer.rollout.concurrency import PACKING_RATIO_STEPS, AdaptiveCap, StalenessAllowance, TokenAllowance
-from trainer.vllm.client import ServerLoad
+from trainer.vllm.prometheus import ServerLoad
 
 IDLE = ServerLoad(kv_cache_usage=0.3, running=1, waiting=0, preemptions=0)
 BUSY = ServerLoad(kv_cache_usage=0.9, running=8, waiting=0, preemptions=0)

@@ -79,7 +79,7 @@ def _trainer_vs_sampler(model: torch.nn.Module, turns: list[TurnRecord],
 
 @pytest.mark.vllm
 def test_candidate_sets_make_the_importance_ratio_one(vllm_server: VLLMServer, tiny_model_dir: Path) -> None:
-    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60).request)
+    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60))
     assert (info.logprobs_mode, info.max_logprobs, info.dtype) == ("processed_logprobs", 20, "float32")
     assert candidate_path(info, top_k=5, top_p=1.0, min_p=None) == "processed_topk"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -107,14 +107,14 @@ def test_candidate_sets_make_the_importance_ratio_one(vllm_server: VLLMServer, t
 
 @pytest.mark.vllm
 def test_top_k_over_max_logprobs_is_refused_at_start_naming_the_flag(vllm_server: VLLMServer) -> None:
-    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60).request)
+    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60))
     with pytest.raises(ConfigError, match="--max-logprobs 50"):
         candidate_path(info, top_k=50, top_p=1.0, min_p=None)
 
 
 @pytest.mark.vllm
 def test_a_turn_over_max_model_len_stops_without_truncation_and_is_cut_with_it(vllm_server: VLLMServer) -> None:
-    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60).request)
+    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60))
     long_prompt = [(7 * i) % 500 + 3 for i in range(info.max_model_len - 8)]
 
     async def turn(top_k: int, prompt: list[int]) -> TurnRecord:

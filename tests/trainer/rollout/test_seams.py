@@ -28,7 +28,7 @@ def test_the_base_model_is_named_not_the_first_listed() -> None:
 
 @pytest.mark.vllm
 def test_the_served_name_is_read_from_the_server(vllm_server: VLLMServer, tiny_model_dir: Path) -> None:
-    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60).request)
+    info = read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=60))
     assert info.model == str(tiny_model_dir) and info.max_model_len == 1024
 
 

@@ -24,9 +24,10 @@ from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, WeightSyncError
 from trainer.records import adapter_name
-from trainer.sync.lora_sync import LORA_CACHE_DIR, LoRAAdapterSync, server_lora_config
+from trainer.sync.lora_sync import LORA_CACHE_DIR, LoRAAdapterSync, runtime_lora_limits
 from trainer.vllm.admin import VLLMAdminClient
-from trainer.vllm.client import parse_prometheus
+from trainer.vllm.prometheus import parse_prometheus
+from trainer.vllm.server_info import LoRALimits, read_server_info
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 MAX_LORAS = 3  # fits max_staleness=1 (1 + 2)
@@ -67,9 +68,9 @@ def _served_names(admin: VLLMAdminClient) -> set[str]:
 
 
 def test_the_server_reports_its_lora_limits(lora_server: VLLMServer, vllm_server: VLLMServer) -> None:
-    limits = server_lora_config(VLLMAdminClient(lora_server.base_url, timeout_s=30))
-    assert limits is not None and (limits.max_loras, limits.max_lora_rank) == (MAX_LORAS, 8)
-    assert server_lora_config(VLLMAdminClient(vllm_server.base_url, timeout_s=30)) is None, \
+    limits = runtime_lora_limits(read_server_info(VLLMAdminClient(lora_server.base_url, timeout_s=30)))
+    assert limits == LoRALimits(max_loras=MAX_LORAS, max_lora_rank=8, runtime_loading=True)
+    assert runtime_lora_limits(read_server_info(VLLMAdminClient(vllm_server.base_url, timeout_s=30))) is None, \
         "a server without --enable-lora gets the merged sync"
 
 

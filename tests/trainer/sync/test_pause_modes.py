@@ -1,6 +1,6 @@
 """The weight sync's pause modes on the real vLLM CPU server, with requests running through the sync.
 
-``"reset"`` (the source's ``/pause?mode=keep``, which clears the KV cache) preempts every running
+``"reset"`` (vLLM's plain ``/pause?mode=keep``, which clears the KV cache) preempts every running
 request; ``"keep"`` (``clear_cache=false``) preempts none; ``"none"`` (the whole update in one
 engine call) never pauses the server and preempts none. All finish every request in full.
 """
@@ -19,9 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolgym.launch.vllm_server import VLLMServer
-from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer, checkpoint_manifest
+from trainer.sync import weight_synchronizer
+from trainer.sync.weight_sync import WeightSynchronizer
 from trainer.vllm.admin import VLLMAdminClient
-from trainer.vllm.client import ServerLoad, parse_prometheus, server_load
+from trainer.vllm.prometheus import ServerLoad, parse_prometheus, server_load
 
 REQUESTS = 6
 LONG = 1000  # tokens per request (the session server's max_model_len is 1024): running when the sync comes
@@ -67,7 +68,7 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
                          restore_served_weights: WeightSynchronizer) -> None:
     base = vllm_server.base_url
     admin = VLLMAdminClient(base, timeout_s=120)
-    sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir), pause_mode=mode)
+    sync = weight_synchronizer(base, tiny_model_dir, pause_mode=mode)
     weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
     model = admin.request("GET", "/v1/models")["data"][0]["id"]
     before = _load(base).preemptions

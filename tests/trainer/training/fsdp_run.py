@@ -28,8 +28,8 @@ from transformers import TrainerCallback
 
 from tests.trainer.spread_reward import token_reward
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.sync.backends.shared_memory import SharedMemorySender
 from trainer.sync.gather import full_tensor
-from trainer.sync.weight_sync import SharedMemorySender
 
 SENT: dict[str, torch.Tensor] = {}
 

@@ -90,8 +90,7 @@ def test_accelerate_launch_with_an_fsdp2_config_file_shards_on_cpu(tiny_model_di
 @pytest.fixture(scope="module")
 def fsdp_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-rank launch of ``fsdp_run.py``; its output directory. The served weights are put back after."""
-    from trainer.sync.weight_sync import SharedMemorySender, WeightSynchronizer
-    from trainer.vllm.admin import VLLMAdminClient
+    from trainer.sync import push_weights
 
     out = tmp_path_factory.mktemp("fsdp")
     try:
@@ -99,9 +98,8 @@ def fsdp_run(vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path_factory: py
     finally:  # put the served weights back for the session's other tests
         from transformers import AutoModelForCausalLM
 
-        admin = VLLMAdminClient(vllm_server.base_url, timeout_s=120)
-        sync = WeightSynchronizer(admin, SharedMemorySender(admin), checkpoint_manifest(tiny_model_dir))
-        sync.sync(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters(), 0)
+        weights = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters()
+        push_weights(vllm_server.base_url, weights, 0, tiny_model_dir)
     assert returncode == 0, stderr[-5000:]
     return out
 

@@ -79,22 +79,27 @@ def test_request_seeds_follow_the_client_seed():
     assert len(set(first)) == 3  # still a fresh seed per request
 
 
-def test_complete_fetches_the_model_name_once_and_never_reads_metrics():
-    async def scenario() -> tuple[Counter[str], list[str]]:
+def test_complete_names_the_given_model_and_reads_nothing_else():
+    """The client reads neither ``/v1/models`` nor ``/metrics`` to complete: what the server is was read
+    once at start (``trainer.vllm.server_info``) and handed to it."""
+    async def scenario(model: str | None) -> tuple[Counter[str], list[str | None]]:
         server = FakeVLLM()
         runner, url = await server.start()
         try:
-            async with SamplerClient(url) as client:
+            async with SamplerClient(url, model=model) as client:
                 for _ in range(3):
                     await client.complete([1], PARAMS)
                 await client.complete([1], PARAMS, model="adapter-v1")
         finally:
             await runner.cleanup()
-        return server.hits, [b["model"] for b in server.bodies]
+        return server.hits, [b.get("model") for b in server.bodies]
 
-    hits, models = asyncio.run(scenario())
-    assert hits == Counter(models=1, completions=4)
+    hits, models = asyncio.run(scenario("tiny"))
+    assert hits == Counter(completions=4)
     assert models == ["tiny", "tiny", "tiny", "adapter-v1"]
+    hits, models = asyncio.run(scenario(None))  # no name: vLLM serves its base model
+    assert hits == Counter(completions=4)
+    assert models == [None, None, None, "adapter-v1"]
 
 
 def test_metrics_poll_does_not_wait_for_a_completion_connection():
@@ -103,8 +108,7 @@ def test_metrics_poll_does_not_wait_for_a_completion_connection():
         server = FakeVLLM()
         runner, url = await server.start()
         try:
-            async with SamplerClient(url, max_connections=1) as client:
-                await client.model_name()
+            async with SamplerClient(url, max_connections=1, model="tiny") as client:
                 server.hold.clear()
                 pending = asyncio.create_task(client.complete([1], PARAMS))
                 await server.holding.wait()  # the only completion connection is taken
