@@ -16,10 +16,10 @@ The pause mode is ``weight_sync_pause``:
   engine runs that call between two of its steps, so no step sees a half-loaded model, and
   generation stops only for the load itself. On other backends ``"none"`` pauses as ``"keep"``.
 * ``"keep"`` (above).
-* ``"reset"``: vLLM's plain ``/pause?mode=keep``, whose default ``clear_cache=true`` resets the KV
-  cache and so preempts every running request: each one recomputes its whole prefix after the
-  sync (hundreds of prefills at once under load), and the pause itself grows with the requests it
-  preempts.
+* ``"reset"``: TRL's AsyncGRPOTrainer's pause, ``/pause?mode=keep``, whose default
+  ``clear_cache=true`` resets the KV cache and so preempts every running request: each one
+  recomputes its whole prefix after the sync (hundreds of prefills at once under load), and the
+  pause itself grows with the requests it preempts.
 
 Without ``"reset"`` the prefix-cache reset succeeds only when no request holds KV blocks (vLLM
 refuses it otherwise), and running requests go on under the new weights with their KV cache; a
@@ -151,8 +151,8 @@ class WeightSynchronizer:
             checked before anything reaches the server.
         pause_mode: ``"none"`` (the whole update in one engine call, no pause, where the backend
             can; else as ``"keep"``), ``"keep"`` (running requests keep their KV cache) or
-            ``"reset"`` (vLLM's plain pause: the KV cache is cleared, preempting every running
-            request).
+            ``"reset"`` (TRL's AsyncGRPOTrainer's pause: the KV cache is cleared, preempting every
+            running request).
     """
 
     def __init__(self, client: VLLMAdminClient, sender: WeightSender,

@@ -1,6 +1,6 @@
 """The weight sync's pause modes on the real vLLM CPU server, with requests running through the sync.
 
-``"reset"`` (vLLM's plain ``/pause?mode=keep``, which clears the KV cache) preempts every running
+``"reset"`` (TRL's AsyncGRPOTrainer's ``/pause?mode=keep``, which clears the KV cache) preempts every running
 request; ``"keep"`` (``clear_cache=false``) preempts none; ``"none"`` (the whole update in one
 engine call) never pauses the server and preempts none. All finish every request in full.
 """
