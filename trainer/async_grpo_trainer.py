@@ -50,6 +50,8 @@ from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
 from trainer.sync.policy_sync import PolicySync
 from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
 from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers, use_compiled_step
+from trainer.training.compile_cache import use_compile_cache
+from trainer.training.compile_warmup import CompileWarmUp, expected_lengths, grpo_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.training.flops import FlopModel, matmul_dtype, peak_flops, row_flops
 from trainer.training.fsdp import enable_fsdp_on_cpu
@@ -254,11 +256,19 @@ class AsyncGRPOTrainer(Trainer):
         self._flop_model = FlopModel.from_config(model.config)
         self._compile_tracker: CompileTracker | None = None
         self._row_buckets: RowBuckets | None = None  # static shapes: tree rows padded to a bucket
+        if args.device.type == "cuda":  # FlexAttention and the head loss compile even in an eager step
+            use_compile_cache(args.compile_cache_dir)
         if use_compiled_step(args.compile_training_step, args.device):  # trainer.training.compile
             if args.compile_row_bucket is not None and args.packing == "tree":
                 self._row_buckets = RowBuckets(args.compile_row_bucket)
             compile_decoder_layers(model, dynamic=self._row_buckets is None)
             self._compile_tracker = CompileTracker(announce=args.process_index == 0)
+            if args.world_size == 1 and args.packing == "tree":  # trainer.training.compile_warmup
+                bucket = args.compile_row_bucket
+                callbacks = [*(callbacks or []), CompileWarmUp(
+                    model, grpo_step(model, args.temperature, lambda: self.compute_loss_context_manager()),
+                    lambda: expected_lengths(self.stream.token_budget if self.stream else None, bucket),
+                    pad=self._row_buckets, device=args.device, tracker=self._compile_tracker)]
         self.model_id = str(model_id)
         self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
         self.tools = list(tools or [])

@@ -1,7 +1,8 @@
 """What a person watching a run sees: a live progress table and, at the end, plots (PNG).
 
 :class:`ProgressCallback` prints one row per log (step, reward, groups dropped, completion length,
-generation throughput, queue, staleness, step time) with ``rich``; :class:`PlotCallback` writes
+generation throughput, queue, staleness, step time, and the seconds the step waited for compilation,
+"-" when it compiled nothing) with ``rich``; :class:`PlotCallback` writes
 ``plots/<metric>.png`` under the output directory when training ends (reward,
 ``frac_zero_std_groups``, completion length, throughput) and :func:`write_plots` does the same for
 any log history. :func:`report_completions` shows sample completions at a log
@@ -34,6 +35,7 @@ _COLUMNS = (
     ("rollout/queue_size", "queue", "{:.0f}"),
     ("sample/staleness_mean", "stale", "{:.2f}"),
     ("perf/step_s", "step s", "{:.1f}"),
+    ("perf/compile_s", "compile s", "{:.1f}"),
 )
 
 
@@ -50,14 +52,17 @@ class ProgressCallback(TrainerCallback):
         if not logs or "loss" not in logs or not state.is_world_process_zero:
             return
         row = {**logs, "step": state.global_step}
+        if not row.get("perf/compile_count"):  # no compilation: a dash, not "0.0" seconds
+            row.pop("perf/compile_s", None)
         if not self._header_done:
             self.console.print(" ".join(f"[bold]{title:>8}[/bold]" for _, title, _ in _COLUMNS))
             self._header_done = True
         cells = []
-        for key, _, fmt in _COLUMNS:
+        for key, title, fmt in _COLUMNS:
             value = row.get(key)
-            cells.append(f"{fmt.format(value):>8}" if isinstance(value, (int, float)) and not math.isnan(value)
-                         else f"{'-':>8}")
+            width = max(8, len(title))
+            cells.append(f"{fmt.format(value):>{width}}" if isinstance(value, (int, float)) and not math.isnan(value)
+                         else f"{'-':>{width}}")
         self.console.print(" ".join(cells))
 
 

@@ -1,5 +1,7 @@
 """The compiled training step (``trainer/training/compile.py``) on CUDA: same loss and gradients as
-eager, and a bounded number of compilations when the row length changes at every step.
+eager, a bounded number of compilations when the row length changes at every step, a warm-up that
+compiles what the first steps need (``compile_warmup.py``), and a second process that starts warm
+from the compile cache (``compile_cache.py``).
 
 CUDA only (the step is compiled only there); CI has no GPU, so these run on the GPU machine, whose
 image has torch and transformers but not the project's other dependencies (the training side needs
@@ -12,13 +14,20 @@ none of them; ``tests/test_layers.py`` checks it)::
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers
+from trainer.training.compile_cache import CACHE_ENV, use_compile_cache
+from trainer.training.compile_warmup import CompileWarmUp, expected_lengths, grpo_step
 from trainer.training.loss import LossConfig, packed_grpo_loss
 from trainer.training.packing import PackedRow, build_row
 from trainer.training.tree_attention import enable_tree_attention
@@ -119,3 +128,60 @@ def test_thirty_row_lengths_compile_a_bounded_number_of_times(dynamic: bool) -> 
           f"({tracker.graphs} graphs), {tracker.total_s:.1f} s compiling")
     assert len(lengths) == 30
     assert 1 <= count <= layer_graphs + OTHER_COMPILATIONS
+
+
+def test_the_warm_up_compiles_what_the_first_steps_need() -> None:
+    torch._dynamo.reset()
+    model = _model()
+    compile_decoder_layers(model, dynamic=False)
+    buckets = RowBuckets(BUCKET)
+    rows = [_row(200 + seed, groups=1 + seed % 3) for seed in range(6)]
+    lengths = expected_lengths(max(r.num_unique_tokens for r in rows), BUCKET)
+    tracker = CompileTracker(announce=False)
+    try:
+        warm = CompileWarmUp(model, grpo_step(model, 1.0), lambda: lengths, pad=buckets, device="cuda",
+                             tracker=tracker)
+        warm.start()
+        warm.wait()
+        assert warm.compiled == lengths and tracker.total_count > 0
+        assert all(p.grad is None for p in model.parameters())
+        for row in rows:
+            _step(model, buckets(row))
+        seconds, count = tracker.take()
+    finally:
+        tracker.close()
+    print(f"warm-up of {len(lengths)} buckets: {warm.seconds:.1f} s; then {len(rows)} rows: {count} compilations")
+    assert count == 0, f"the steps after the warm-up compiled {count} times ({seconds:.1f} s)"
+
+
+def _one_step_in_this_process() -> dict[str, float]:
+    """What ``python3 test_compile_cuda.py`` prints: a fresh process's first compiled step on one row."""
+    from torch._dynamo.utils import counters
+
+    folder = use_compile_cache(None)
+    model = _model()
+    compile_decoder_layers(model, dynamic=False)
+    tracker = CompileTracker(announce=False)
+    _step(model, RowBuckets(BUCKET)(_row(7)))
+    seconds, count = tracker.take()
+    return {"folder": str(folder), "compile_s": seconds, "compilations": count,
+            "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
+            "hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]}
+
+
+def test_a_second_process_starts_warm_from_the_cache(tmp_path: Path) -> None:
+    env = {**os.environ, CACHE_ENV: str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    runs = []
+    for _ in ("cold", "warm"):
+        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.splitlines()[-1]))
+    cold, warm = runs
+    print(f"cold {cold}\nwarm {warm}")
+    assert cold["folder"] == warm["folder"] and Path(cold["folder"]).parent == tmp_path
+    assert cold["fx_misses"] > 0 and warm["fx_misses"] == 0 and warm["hits"] > 0
+    assert warm["compile_s"] < cold["compile_s"] / 2
+
+
+if __name__ == "__main__":
+    print(json.dumps(_one_step_in_this_process()))
