@@ -54,7 +54,6 @@ from transformers.utils.chat_template_utils import get_json_schema
 from environments.counter import IncrementEnv
 from toolgym.launch.threads import torch_threads
 from trainer.exceptions import ConfigError
-from trainer.families import Family
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.rollout.chat_template import (
     EMPTY_REASONING,
@@ -62,6 +61,7 @@ from trainer.rollout.chat_template import (
     completion_text,
     render_prompt_ids,
     rollout_family,
+    stop_token_ids,
 )
 from trainer.training.logprobs import forward_packed
 from trainer.training.packing import build_row
@@ -287,7 +287,7 @@ def _training_sample(tokenizer: PreTrainedTokenizerBase, transcript: Transcript)
     ids = list(out["input_ids"])
     mask = list(out["assistant_masks"])
     family = rollout_family(tokenizer.chat_template)
-    if mask and mask[-1] and ids[-1] not in _stop_ids(tokenizer, family):
+    if mask and mask[-1] and ids[-1] not in stop_token_ids(tokenizer, family):
         # The template leaves the final turn open (GLM's turns end on the next role's token): teach the stop.
         ids.append(tokenizer.get_vocab()[family.turn_end(False)])
         mask.append(1)
@@ -476,12 +476,6 @@ class EvalResult:
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
-def _stop_ids(tokenizer: PreTrainedTokenizerBase, family: Family) -> list[int]:
-    """The ids of the family's stop tokens in ``tokenizer`` (its EOS when it has none of them)."""
-    vocab = tokenizer.get_vocab()
-    return [vocab[t] for t in family.stop_tokens if t in vocab] or [tokenizer.eos_token_id]
-
-
 def _generate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], temperature: float
 ) -> tuple[str, bool]:
@@ -496,7 +490,7 @@ def _generate(
         top_k=0,
         top_p=1.0,
     )[0, len(prompt_ids) :].tolist()
-    stops = _stop_ids(tokenizer, rollout_family(tokenizer.chat_template))
+    stops = stop_token_ids(tokenizer, rollout_family(tokenizer.chat_template))
     ended = next((i for i, t in enumerate(output) if t in stops), None)
     if ended is None:
         return completion_text(tokenizer, output, stops), False

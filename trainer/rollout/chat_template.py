@@ -43,10 +43,12 @@ __all__ = [
     "check_prefix_preserving",
     "completion_text",
     "parse_tool_calls",
+    "reasoning_openings",
     "refuse_image_parts",
     "render_prompt_ids",
     "render_prompt_text",
     "rollout_family",
+    "stop_token_ids",
     "synthetic_replies",
 ]
 
@@ -115,6 +117,18 @@ def build_assistant_message(text: str, family: Family = QWEN3,
         message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  | ({"id": c["id"]} if c.get("id") else {}) for c in good]
     return message
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, family: Family) -> list[int]:
+    """The ids of the tokens that end a turn: the family's stop tokens the tokenizer has, and its EOS.
+
+    GPT-OSS's turns end on ``<|call|>`` or ``<|return|>``, GLM's on the next role's token: sampling stops
+    at each, and a turn ended by one is not cut short.
+    """
+    vocab = tokenizer.get_vocab()
+    ids = [vocab[t] for t in family.stop_tokens if t in vocab]
+    eos = tokenizer.eos_token_id
+    return ids + ([eos] if isinstance(eos, int) and eos not in ids else [])
 
 
 def completion_text(tokenizer: PreTrainedTokenizerBase, output_ids: list[int], end_ids: list[int]) -> str:
@@ -200,8 +214,8 @@ EMPTY_REASONING = "<think>\n\n</think>\n\n"
 REASONING_OPENINGS = ("", "<think>\nThe counter needs two steps.\n</think>\n\n", EMPTY_REASONING)
 
 
-def _openings(family: Family) -> tuple[str, ...]:
-    """The synthetic turns' openings in ``family``'s reasoning markers (plain text only without any)."""
+def reasoning_openings(family: Family) -> tuple[str, ...]:
+    """:data:`REASONING_OPENINGS` in ``family``'s reasoning markers (plain text only for a family without any)."""
     if family.reasoning is None:
         return ("",)
     start, end = family.reasoning
@@ -288,7 +302,7 @@ def check_prefix_preserving(
     """
     family = rollout_family(chat_template or tokenizer.chat_template)
     end = _end_id(tokenizer, family)
-    for opening in _openings(family):
+    for opening in reasoning_openings(family):
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Please do it in two calls."},

@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.exceptions import VLLMServerError
 from trainer.metrics import RecordBuffer
 from trainer.records import TurnRecord
-from trainer.rollout.chat_template import build_assistant_message
+from trainer.rollout.chat_template import build_assistant_message, completion_text, rollout_family, stop_token_ids
 from trainer.rollout.openai_compat import (
     ChatRequest,
     OpenAIRequestError,
@@ -150,6 +150,8 @@ class CaptureServer:
         self.records = records
         self.chat_template = chat_template
         self.kwargs = dict(chat_template_kwargs or {})
+        self.family = rollout_family(chat_template or tokenizer.chat_template)  # the format replies are read in
+        self._stop_ids = stop_token_ids(tokenizer, self.family)
         self.host, self.port = host, port
         self.max_request_bytes = max_request_bytes
         self.url = ""
@@ -342,10 +344,13 @@ class CaptureServer:
             raise OpenAIRequestError(f"sampling failed: {type(exc).__name__}: {exc}", 502, "sampler_error")
         turn, text = self._cut_at_stop(task.result(), chat.stop)
         session.turns.append(turn)
-        reply = reply_from_text(text, chat.parse_tools, truncated=turn.finish_reason == "length")
+        reply = reply_from_text(text, chat.parse_tools, truncated=turn.finish_reason == "length", family=self.family,
+                                tools=chat.tools)
         session.replies[reply.key] = text
         self._count_calls(session, chat, reply)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.reasoning_content is not None:
+            message["reasoning_content"] = reply.reasoning_content
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
         session.conversation = [*chat.messages, message]
@@ -359,7 +364,7 @@ class CaptureServer:
         sampler had stopped there itself.
         """
         def decode(ids: list[int]) -> str:
-            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            return completion_text(self.tokenizer, ids, self._stop_ids)
 
         text = decode(turn.output_ids)
         if not any(s in text for s in stop):
@@ -392,7 +397,7 @@ class CaptureServer:
         for m in chat.messages:
             text = session.replies.get(assistant_key(m["content"], m.get("tool_calls"))) \
                 if m["role"] == "assistant" else None
-            messages.append(build_assistant_message(text) if text is not None else m)
+            messages.append(build_assistant_message(text, self.family, chat.tools) if text is not None else m)
         async with session.render_lock:
             render = session.renderers.pop(tools_key, None)
             if render is None:
@@ -415,6 +420,7 @@ class CaptureServer:
         offered = {t["function"].get("name") for t in chat.tools}
         failures = reply.malformed_calls
         self.records.add_rate("tools/failure_frequency", reply.malformed_calls, reply.malformed_calls)
+        self.records.add_rate("tools/malformed_frequency", reply.stray_markers, 1)
         if reply.malformed_calls:
             self.records.add("tools/<unparsed>/call_count", reply.malformed_calls)
             self.records.add("tools/<unparsed>/failure_count", reply.malformed_calls)

@@ -4,7 +4,8 @@
 :class:`ChatRequest` (messages in the shape the chat template renders, tool schemas, the sampling
 fields the endpoint honours); anything it cannot honour is an :class:`OpenAIRequestError`, which
 :func:`error_body` turns into OpenAI's error object. :func:`reply_from_text` splits generated text
-into content and tool calls (``parse_tool_calls``), and :func:`completion_body` /
+into reasoning, content and tool calls in the format of the model's family (:mod:`trainer.families`),
+and :func:`completion_body` /
 :func:`completion_chunks` write it as a ``chat.completion`` or as the ``chat.completion.chunk``
 events of a streamed answer. Nothing here does I/O.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.exceptions import OpenAIRequestError
-from trainer.rollout.chat_template import parse_tool_calls
+from trainer.families import QWEN3, Family
 
 __all__ = [
     "ChatRequest",
@@ -183,16 +184,22 @@ class Reply:
     """One answer: the message content, the tool calls as OpenAI writes them, and counts for metrics.
 
     Attributes:
-        content: The text without its tool-call blocks (the whole text when a block was malformed).
-        tool_calls: ``[{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}]``.
-        malformed_calls: ``<tool_call>`` blocks that could not be read (returned inside ``content``).
+        content: The text without its tool calls and reasoning (the whole text when a call was malformed).
+        tool_calls: ``[{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}]``; the id
+            is the family's own where its format writes one (Kimi K2's ``functions.NAME:0``).
+        malformed_calls: Calls that could not be read (the text is returned whole inside ``content``).
         finish_reason: ``"tool_calls"``, ``"stop"`` or ``"length"``.
+        reasoning_content: The reasoning the family's format sets apart (a ``<think>`` block, harmony's
+            analysis channel), ``None`` without any.
+        stray_markers: Fragments of call markup that are no call (``tools/malformed_frequency``).
     """
 
     content: str
     tool_calls: list[dict[str, Any]]
     malformed_calls: int
     finish_reason: str
+    reasoning_content: str | None = None
+    stray_markers: int = 0
 
     @property
     def key(self) -> str:
@@ -200,25 +207,33 @@ class Reply:
         return assistant_key(self.content, self.tool_calls)
 
 
-def reply_from_text(text: str, parse_tools: bool, truncated: bool) -> Reply:
+def reply_from_text(text: str, parse_tools: bool, truncated: bool, family: Family = QWEN3,
+                    tools: list[dict[str, Any]] | None = None) -> Reply:
     """Split generated text into an OpenAI reply.
 
     Args:
         text: The decoded completion (stop strings already cut, no end-of-turn token).
         parse_tools: Read tool calls (the request had tools and ``tool_choice`` is not ``"none"``).
         truncated: The completion was cut by the length limit.
+        family: The model's family, whose format the text is in.
+        tools: The request's tool schemas (they type arguments a format writes as text).
     """
     reason = "length" if truncated else "stop"
+    reasoning, rest = family.split_reasoning(text)
     if not parse_tools:
-        return Reply(text, [], 0, reason)
-    content, parsed = parse_tool_calls(text)
+        return Reply(rest, [], 0, reason, reasoning)
+    content, parsed = family.parse(text, tools)
     malformed = sum(1 for c in parsed if "error" in c)
-    if malformed or not parsed:  # the agent sees exactly what the model wrote
-        return Reply(text, [], malformed, reason)
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    stray = family.malformed(text)
+    if malformed:  # the agent sees exactly what the model wrote
+        return Reply(text, [], malformed, reason, None, stray)
+    if not parsed:
+        return Reply(rest, [], 0, reason, reasoning, stray)
+    calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-             for c in parsed]
-    return Reply(content, calls, 0, "length" if truncated else "tool_calls")
+             for c in parsed if "error" not in c]
+    return Reply(family.split_reasoning(content)[1], calls, 0, "length" if truncated else "tool_calls", reasoning,
+                 stray)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -229,6 +244,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion_body(reply: Reply, model: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """A non-streamed ``chat.completion`` answer."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
+    if reply.reasoning_content is not None:
+        message["reasoning_content"] = reply.reasoning_content
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
     return {
@@ -241,8 +258,8 @@ def completion_body(reply: Reply, model: str, prompt_tokens: int, completion_tok
 
 def completion_chunks(reply: Reply, model: str, prompt_tokens: int, completion_tokens: int,
                       include_usage: bool) -> list[dict[str, Any]]:
-    """The ``chat.completion.chunk`` events of a streamed answer (the role, the content, each tool
-    call, the finish reason, then the usage when asked for); the caller sends ``data: [DONE]`` after."""
+    """The ``chat.completion.chunk`` events of a streamed answer (the role, the reasoning, the content, each
+    tool call, the finish reason, then the usage when asked for); the caller sends ``data: [DONE]`` after."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
 
@@ -250,6 +267,8 @@ def completion_chunks(reply: Reply, model: str, prompt_tokens: int, completion_t
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
     chunks = [chunk({"role": "assistant", "content": ""})]
+    if reply.reasoning_content:
+        chunks.append(chunk({"reasoning_content": reply.reasoning_content}))
     if reply.content:
         chunks.append(chunk({"content": reply.content}))
     for i, call in enumerate(reply.tool_calls):

@@ -19,9 +19,10 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from trainer.rollout.chat_template import (
-    REASONING_OPENINGS,
     build_assistant_message,
+    reasoning_openings,
     render_prompt_text,
+    rollout_family,
     synthetic_replies,
 )
 
@@ -61,10 +62,13 @@ def splits_at_added_tokens(
     split_ids = _split_token_ids(tokenizer)
     if not split_ids:
         return False
-    for opening in REASONING_OPENINGS:
+    family = rollout_family(chat_template or tokenizer.chat_template)
+    for opening in reasoning_openings(family):
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Please do it in two calls."}]
-        for text, results in synthetic_replies(tools, opening):
-            messages += [build_assistant_message(text), *({"role": "tool", "content": r} for r in results)]
+        for text, results in synthetic_replies(tools, opening, family):
+            calls = family.parse(text, tools)[1]
+            messages += [build_assistant_message(text, family, tools),
+                         *(family.tool_message(call, result) for call, result in zip(calls, results, strict=True))]
         rendered = render_prompt_text(tokenizer, messages, tools, chat_template, **kw)
         full = _encode(tokenizer, rendered)
         pieces: list[int] = []
