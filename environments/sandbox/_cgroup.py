@@ -179,19 +179,20 @@ def _enable_memory_for_children(directory: str) -> None:
     with open(control, encoding="ascii") as current:
         if "memory" in current.read().split():
             return
+    with open(os.path.join(directory, "cgroup.controllers"), encoding="ascii") as current:
+        if "memory" not in current.read().split():
+            raise OSError(errno.ENOENT, "cgroup v2's memory controller is not enabled for this server's cgroup (its "
+                          "parent's cgroup.subtree_control lacks it)", directory)
     with open(os.path.join(directory, "cgroup.procs"), encoding="ascii") as current:
-        processes = current.read().split()
-    try:
-        if processes == [str(os.getpid())]:
-            os.makedirs(os.path.join(directory, SERVER_LEAF), exist_ok=True)
-            _write(os.path.join(directory, SERVER_LEAF, "cgroup.procs"), str(os.getpid()))
-        _write(control, "+memory")
-    except OSError as exc:
-        others = len([p for p in processes if p != str(os.getpid())])
-        raise OSError(exc.errno, f"cgroup v2 hands the memory controller to a cgroup's children only while it holds "
-                      f"no process, and this server's holds {others} other process(es) beside it: start the server "
-                      "as the only process of its cgroup (a container's main process, or under systemd-run --scope "
-                      "-p Delegate=yes)", control) from exc
+        others = [pid for pid in current.read().split() if pid != str(os.getpid())]
+    if others:
+        raise OSError(errno.EBUSY, f"cgroup v2 hands the memory controller to a cgroup's children only while it "
+                      f"holds no process, and this server's cgroup holds {len(others)} other process(es): start "
+                      "the server as the only process of its cgroup (a container's main process, or under "
+                      "systemd-run --scope -p Delegate=yes)", directory)
+    os.makedirs(os.path.join(directory, SERVER_LEAF), exist_ok=True)
+    _write(os.path.join(directory, SERVER_LEAF, "cgroup.procs"), str(os.getpid()))
+    _write(control, "+memory")
 
 
 def _remove_stale(directory: str) -> None:
