@@ -13,7 +13,10 @@
 
 Every process it starts is stopped when it returns::
 
-    toolgym demo [--cache .cache] [--steps 15] [--seed 0]
+    toolgym demo [--cache .cache] [--steps 15] [--seed 0] [--family qwen3]
+
+``--family`` builds the tiny model in another model family's chat format (``qwen3_5``: Qwen3.5's XML
+tool calls; any name of :func:`trainer.families.families`), so the same demo shows that family learning.
 
 The experiment's building blocks live in :mod:`toolgym.kit.counter_experiment`, shared with the
 end-to-end tests (``tests/e2e``) and the benchmarks (``bench/e2e``), so all three run the same experiment.
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from toolgym.kit.counter_experiment import counter_config, evaluate_counter, learning_run, warm_model
+from trainer.families import families
 
 
 async def _show_turn(base_url: str, tokenizer: Any) -> None:
@@ -57,6 +61,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cache", default=".cache", help="where the warm-started model is built and reused")
     parser.add_argument("--steps", type=int, default=15, help="optimizer steps of the training run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", default="qwen3", choices=[f.name for f in families()],
+                        help="the model family whose chat template and tool-call format the tiny model uses")
     parser.add_argument("--output_dir", "--output-dir", default="outputs/demo",
                         help="checkpoint-free run folder (plots, logs)")
     args = parser.parse_args(argv)
@@ -72,7 +78,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(trainer_threads_beside_vllm(os.cpu_count() or 1))
     t0 = time.monotonic()
-    model_dir = warm_model(Path(args.cache), args.seed)
+    model_dir = warm_model(Path(args.cache), args.seed, family=args.family)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     with EnvServerProcess(["environments.counter:IncrementEnv"]) as env_server, \
             VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024,

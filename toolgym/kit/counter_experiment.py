@@ -23,24 +23,26 @@ EVAL_EPISODES_PER_TARGET = 96
 WARM_START_STEPS = 400
 
 
-def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
+def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS, family: str = "qwen3") -> Path:
     """The tiny model warm-started on counter transcripts, built once and reused from ``cache``.
 
     Args:
-        cache: Folder holding the built models (one sub-folder per seed and length).
+        cache: Folder holding the built models (one sub-folder per seed, length and family).
         seed: Seeds the model's initialisation, the transcripts and the fine-tune.
         steps: Optimizer steps of the warm start (400 take about two minutes of CPU time, more when
             the fine-tune restarts from a fresh initialisation: see ``WarmStartConfig.restart_check_step``).
+        family: The model family whose chat template and call format the model learns (:mod:`trainer.families`).
     """
     from toolgym.kit.tiny_model import build_tiny_model
     from toolgym.kit.warm_start import WarmStartConfig, warm_start
+    from trainer.families import family_named
 
-    suffix = "" if steps == WARM_START_STEPS else f"-steps{steps}"
+    suffix = ("" if steps == WARM_START_STEPS else f"-steps{steps}") + ("" if family == "qwen3" else f"-{family}")
     model_dir = cache / f"warm-counter-v2-seed{seed}{suffix}"  # v2: the one-call policy of toolgym.kit.warm_start
     done = model_dir / ".warm-start-done"
     if not done.exists():
         t0 = time.monotonic()
-        build_tiny_model(model_dir, seed=seed)
+        build_tiny_model(model_dir, seed=seed, family=family_named(family))
         result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
         done.write_text("ok\n")
         print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir} "

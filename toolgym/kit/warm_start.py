@@ -75,6 +75,7 @@ __all__ = [
     "arithmetic_prompt",
     "counter_tools",
     "evaluate",
+    "fine_tune",
     "synthetic_transcripts",
     "warm_start",
 ]
@@ -414,6 +415,26 @@ def warm_start(model_dir: str | Path, config: WarmStartConfig | None = None) -> 
     losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     return WarmStartResult(losses=losses, seconds=time.perf_counter() - started, attempts=attempt,
                            target_step_prob=prob)
+
+
+def fine_tune(model_dir: str | Path, transcripts: list[Transcript],
+              config: WarmStartConfig | None = None) -> list[float]:
+    """Fine-tune the model in ``model_dir`` on ``transcripts`` of your own and save it back in place.
+
+    Runs ``config.max_steps`` steps of ``config.batch_size`` transcripts (read in order, cycling), with
+    the warm start's schedule and no restart check.
+
+    Returns:
+        The training loss at every step.
+    """
+    config = config or WarmStartConfig()
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = _fine_tune(model, tokenizer, transcripts, config, None)
+    model.set_attn_implementation("sdpa")
+    model.save_pretrained(model_dir)
+    return [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
 
 
 def _fine_tune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, transcripts: list[Transcript],

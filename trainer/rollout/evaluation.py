@@ -17,6 +17,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from trainer.config import AsyncGRPOConfig
+from trainer.rollout.chat_template import rollout_family, stop_token_ids
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.worker import WorkerChannels
 from trainer.vllm.admin import VLLMAdminClient
@@ -59,8 +60,9 @@ def evaluate_policy(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=0, initial_version=0)
     server = read_server_info(VLLMAdminClient(base_url, timeout_s=config.vllm_server_timeout))
+    stops = stop_token_ids(tokenizer, rollout_family(tokenizer.chat_template))  # the family's, EOS included
     loop = AsyncRolloutLoop(config=config, model_name=model_dir, dataset=None, reward_funcs=[],
-                            processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
+                            processing_class=tokenizer, eos_token_ids=stops, channels=channels,
                             environment_factory=environment_factory, max_model_len=server.max_model_len,
                             served_model=server.model)
 
