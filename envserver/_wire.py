@@ -26,8 +26,9 @@ except ImportError:  # pragma: no cover (websockets built without its C extensio
 
 # Close codes a peer may put on the wire (RFC 6455 section 7.4): 1004-1006 and 1015 are reserved.
 VALID_CLOSE = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014))
-HTTP_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 426: b"Upgrade Required",
-                 431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
+HTTP_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 413: b"Content Too Large",
+                426: b"Upgrade Required", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
+                500: b"Internal Server Error"}
 _DEFAULT_LIMITS = ServerConfig()
 
 

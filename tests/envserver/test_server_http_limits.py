@@ -1,4 +1,5 @@
-"""Request heads as an attacker sends them: too large (431), too slow (closed), malformed (400).
+"""Requests as an attacker sends them: heads too large (431), too slow (closed) or malformed (400),
+bodies (413, never read), pipelines too deep (429).
 
 The upgrade fast path (``envserver._http.UpgradeFastPath``) must not take anything uvicorn's own
 parser would refuse or treat as plain HTTP, and the bearer check reads the header as RFC 9110 does.
@@ -7,13 +8,16 @@ parser would refuse or treat as plain HTTP, and the bearer check reads the heade
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from tests.envserver.servers import http_get, make_server
+from tests.envserver.servers import http_get, make_server, wait_until
 
 TOKEN = "s3cret-token"
 
@@ -142,3 +146,103 @@ def test_the_same_heads_split_over_reads_get_the_same_answers(guarded):
 
 def test_routes_still_answer_with_the_token(guarded):
     assert http_get(guarded.url + "/health", token=TOKEN)[0] == 200
+
+
+def open_connections(srv) -> int:
+    """Connections the server holds (HTTP and WebSocket), read from its state for assertions."""
+    return len(srv.server.server_state.connections)
+
+
+@contextlib.contextmanager
+def trickling(socks: list[socket.socket], every: float = 0.05) -> Iterator[None]:
+    """While inside, send one more byte on each of ``socks`` every ``every`` seconds (a slow body)."""
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(every):
+            for sock in socks:
+                with contextlib.suppress(OSError):  # the server dropped it: that is what the test waits for
+                    sock.send(b"a")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """What the server sends until it half-closes (or drops) the connection."""
+    data = b""
+    with contextlib.suppress(ConnectionError):
+        while more := sock.recv(65536):
+            data += more
+    return data
+
+
+@pytest.mark.parametrize("head", [
+    "POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+    "GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+    "GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+    # An empty chunked body, then a trailer field that never ends: once parsed as headers past every limit.
+    "POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: ",
+], ids=["post-length", "get-length", "get-chunked", "chunked-trailer"])
+def test_a_request_with_a_body_is_answered_413_unread_and_dropped_however_slow_the_body(head):
+    # Before: the head deadline ended with the head, so 50 of 50 such connections fed a byte a second
+    # were still open a minute later (answered 405, the body read and discarded as it came).
+    srv = make_server(head_timeout=1.0)
+    socks = [socket.create_connection(("127.0.0.1", srv.server.bound_port), timeout=30) for _ in range(50)]
+    try:
+        for sock in socks:
+            sock.sendall(head.encode())
+        with trickling(socks):
+            answers = [read_answer(sock) for sock in socks]  # sent as soon as the head is complete
+            assert wait_until(lambda: open_connections(srv) == 0, timeout=30)
+        assert all(status_of(answer) == 413 and b"no request body" in answer for answer in answers)
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
+def test_a_content_length_of_zero_is_no_body(guarded):
+    raw = plain("/health", f"Authorization: Bearer {TOKEN}", "Content-Length: 0", "Connection: close")
+    assert status_of(exchange(guarded, raw)) == 200
+
+
+def pipelined(count: int) -> bytes:
+    return plain("/health", f"Authorization: Bearer {TOKEN}") * count
+
+
+def test_a_few_pipelined_requests_are_all_answered_on_an_open_connection(guarded):
+    sock = socket.create_connection(("127.0.0.1", guarded.server.bound_port), timeout=10)
+    try:
+        sock.sendall(pipelined(16))
+        data = b""
+        while data.count(b"HTTP/1.1 200 OK") < 16:
+            data += sock.recv(65536)
+        sock.sendall(plain("/health", f"Authorization: Bearer {TOKEN}"))  # and the connection still serves
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        sock.close()
+
+
+def test_past_16_pipelined_requests_the_next_is_answered_429_and_the_rest_never_read():
+    # Before: every answer written resumed reading, so a peer that pipelined GETs and read nothing
+    # had the server parse and hold all of them (10 connections: +3.2 GiB in 30 s).
+    srv = make_server(head_timeout=1.0)
+    sock = socket.create_connection(("127.0.0.1", srv.server.bound_port), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        with contextlib.suppress(OSError):  # the server stops reading, then drops the connection
+            sock.sendall(plain("/health") * 100_000)
+        answers = read_answer(sock)
+        assert wait_until(lambda: open_connections(srv) == 0, timeout=30)
+    finally:
+        sock.close()
+        srv.stop()
+    served = answers.count(b"HTTP/1.1 200 OK")
+    assert 17 <= served < 1000  # the running one and the 16 behind it, at least (one read may hold more)
+    assert answers.count(b"HTTP/1.1 429") == 1 and answers.rstrip().endswith(b"wait for the answers")
