@@ -1,4 +1,4 @@
-"""``toolgym tiny-model --family NAME``: the tiny model of another family, with its template, markers and stop tokens."""
+"""``toolgym tiny-model --family NAME``: another family's tiny model, with its template, markers and stop tokens."""
 
 from __future__ import annotations
 
