@@ -7,7 +7,9 @@ TRL's "Customizing the rollout loop" example, runnable. ``CurriculumRolloutLoop`
   reward above 0), then returns the default advantages. It runs for every group, also for one whose
   rewards are all equal and which is then dropped: exactly the solved prompts.
 * ``filter_prompt(row_index, row, epoch)`` skips a prompt whose pass rate reached
-  ``pass_rate_cap``, a field of ``CurriculumConfig`` (a config subclass carries the loop's settings).
+  ``pass_rate_cap``, a field of ``CurriculumConfig`` (a config subclass carries the loop's settings;
+  the trainer hands it to the loop through ``rollout_loop_kwargs()``, as the loop gets the run's
+  ``RolloutSettings``, not the config).
   A skipped prompt counts as consumed for the epoch; rejecting every prompt of an epoch raises.
 
 ``CurriculumTrainer`` sets ``loop_cls = CurriculumRolloutLoop``; the trainer's constructor is
@@ -52,13 +54,17 @@ class CurriculumConfig(AsyncGRPOConfig):
 
 
 class CurriculumRolloutLoop(AsyncRolloutLoop):
-    """Skips the prompts whose last group passed at least ``config.pass_rate_cap`` of the time."""
+    """Skips the prompts whose last group passed at least ``pass_rate_cap`` of the time."""
+
+    def __init__(self, *args: Any, pass_rate_cap: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pass_rate_cap = pass_rate_cap
 
     async def setup(self) -> None:
         self.pass_rates: dict[int, float] = {}
 
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
-        keep = self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+        keep = self.pass_rates.get(row_index, 0.0) < self.pass_rate_cap
         if not keep:
             self.log_metric("curriculum/skipped_count", 1)  # summed over the logging window ("count")
         return keep
@@ -69,14 +75,19 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
             pass_rate = float(np.mean(scored > 0))
             self.pass_rates[group.row_index] = pass_rate
             self.log_metric("curriculum/pass_rate", pass_rate)  # averaged over the window
-            self.log_rate("curriculum/solved_frac", pass_rate >= self.config.pass_rate_cap, 1)
+            self.log_rate("curriculum/solved_frac", pass_rate >= self.pass_rate_cap, 1)
         return super().compute_advantages(group)
 
 
 class CurriculumTrainer(AsyncGRPOTrainer):
     """``AsyncGRPOTrainer`` whose rollout worker runs ``CurriculumRolloutLoop``."""
 
+    args: CurriculumConfig
     loop_cls = CurriculumRolloutLoop
+
+    def rollout_loop_kwargs(self) -> dict[str, Any]:
+        """The loop's own setting, from the config."""
+        return {"pass_rate_cap": self.args.pass_rate_cap}
 
 
 def word_budget_reward(completions: list[list[dict[str, Any]]], limit: list[int], **kwargs: Any) -> list[float]:

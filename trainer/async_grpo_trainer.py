@@ -44,6 +44,7 @@ from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
+from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
@@ -389,18 +390,15 @@ class AsyncGRPOTrainer(Trainer):
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if (version > 0 or self._policy_sync.adapter is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._policy_sync.sync(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
-        tokenizer = self.processing_class
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        loop_kwargs = dict(
-            config=args, model_name=self.model_id, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
-            processing_class=tokenizer, eos_token_ids=eos, tools=self.tools, chat_template=self.rollout_chat_template,
-            environment_factory=self.environment_factory, dataset_start_index=start, dataset_skip_positions=done,
-            max_model_len=server.max_model_len, kv_cache_tokens=server.kv_cache_tokens,
-            lora_name=self._policy_sync.adapter.lora_name if self._policy_sync.adapter is not None else None,
-            served_model=server.model, candidates=candidates,
-        )
-        loop_kwargs.update(self.rollout_loop_kwargs())
-        self.worker = RolloutWorker(self.loop_cls, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
+        adapter = self._policy_sync.adapter
+        settings = RolloutSettings.from_config(
+            args, self.model_id, server, chat_template=self.rollout_chat_template, candidates=candidates,
+            lora_name=adapter.lora_name if adapter is not None else None)
+        loop_kwargs: dict[str, Any] = dict(
+            processing_class=self.processing_class, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
+            tools=self.tools, environment_factory=self.environment_factory, dataset_start_index=start,
+            dataset_skip_positions=done, **self.rollout_loop_kwargs())
+        self.worker = RolloutWorker(self.loop_cls, settings, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
         if not self.is_fsdp_enabled:
             self.worker.start()
         stop, stop_epochs = None, None
@@ -430,7 +428,8 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.start()
 
     def rollout_loop_kwargs(self) -> dict[str, Any]:
-        """Extra constructor arguments of ``loop_cls`` (a subclass's own; they must pickle). Default: none."""
+        """Extra constructor arguments of ``loop_cls``: a subclass's own settings (a field of your config
+        subclass, say: the loop gets a ``RolloutSettings``, not the config). They must pickle. Default: none."""
         return {}
 
     # ------------------------------------------------------------------------------ the step
@@ -504,7 +503,7 @@ class AsyncGRPOTrainer(Trainer):
         if self.stream is not None:
             self.stream.policy_version = version
         if self.worker is not None:
-            self.worker.channels.model_version.value = version
+            self.worker.channels.policy_version.value = version
 
     def _end_of_step(self, step_s: float) -> None:
         args = self.args

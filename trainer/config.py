@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,8 @@ from transformers import TrainingArguments
 from trainer.exceptions import ConfigError
 from trainer.trl_fields import refuse_trl_fields
 
-# The source's activation_checkpointing / activation_checkpointing_kwargs fields are TrainingArguments'
-# from transformers 5.23 on (inherited here); before, gradient_checkpointing* are the same settings.
+# activation_checkpointing / activation_checkpointing_kwargs are TrainingArguments' fields from
+# transformers 5.23 on (inherited here); before, gradient_checkpointing* are the same settings.
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -156,7 +157,7 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(
-        default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; < 1 requires top_k (see SPEC §6)."}
+        default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; < 1 requires top_k (see docs/loss.md)."}
     )
     top_k: int = field(default=0, metadata={"help": "Top-k truncation; 0 disables it."})
     min_p: float | None = field(
@@ -201,7 +202,7 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     packing: str = field(
         default="tree",
-        metadata={"help": "How samples share a row. 'tree': tree packing (SPEC §5): a row is a prefix trie, a "
+        metadata={"help": "How samples share a row. 'tree': tree packing (docs/packing.md): a row is a prefix trie, a "
                   "prompt shared by a group is forwarded once; full-attention, sliding-window and Gated DeltaNet "
                   "layers. 'per_sample': nothing is shared, each sample is forwarded on its own (a right-padded "
                   "batch, the model's own layers): the way to train families tree packing refuses (Mamba2 and "
@@ -229,15 +230,16 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "How far generation may run ahead of training (docs/pipeline.md). 'capacity': "
                   "max(max_staleness - 1, 1) full steps' worth of sample tokens (a step's forwarded-token "
                   "capacity x the packing ratio of the last steps), a step of headroom below the drop limit; "
-                  "'source': the source's rule, max(max_staleness, 1) x the tokens the last step consumed."},
+                  "'consumed': TRL AsyncGRPOTrainer's rule, max(max_staleness, 1) x the sample tokens the last "
+                  "step consumed. 'source', its former name, is still accepted (with a warning) until toolgym 0.2."},
     )
     weight_sync_pause: str = field(
         default="none",
         metadata={"help": "How the server pauses for a weight sync (docs/pipeline.md). 'none': no pause: the "
                   "whole update is one engine call between two generation steps (the toolgym_shm backend; "
                   "backends that load chunk by chunk, such as nccl, pause as 'keep'); 'keep': running "
-                  "requests keep their KV cache and go on with the new weights after the sync; 'reset': the "
-                  "source's pause, which clears the KV cache and so preempts every running request (each "
+                  "requests keep their KV cache and go on with the new weights after the sync; 'reset': "
+                  "TRL AsyncGRPOTrainer's pause, which clears the KV cache and so preempts every running request (each "
                   "recomputes its prefix with the new weights after the sync)."},
     )
     rollout_worker_timeout: float = field(
@@ -334,7 +336,12 @@ class AsyncGRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
-        choices = {"staleness_allowance": ("capacity", "source"), "weight_sync_pause": ("none", "keep", "reset"),
+        if self.staleness_allowance == "source":
+            warnings.warn("staleness_allowance='source' is deprecated and will be removed in toolgym 0.2: write "
+                          "staleness_allowance='consumed' (the same rule: max(max_staleness, 1) x the sample tokens "
+                          "the last step consumed)", FutureWarning, stacklevel=3)
+            self.staleness_allowance = "consumed"
+        choices = {"staleness_allowance": ("capacity", "consumed"), "weight_sync_pause": ("none", "keep", "reset"),
                    "packing": ("tree", "per_sample")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -20,13 +20,13 @@ endpoint (:mod:`trainer.rollout.harness`); the rest of the pipeline is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from trainer.async_grpo_trainer import AsyncGRPOTrainer
 from trainer.exceptions import ConfigError
 from trainer.harness_config import HarnessAsyncGRPOConfig
 from trainer.rollout.agents import Agent, check_agent
-from trainer.rollout.harness_loop import HarnessRolloutLoop
+from trainer.rollout.harness_loop import HarnessRolloutLoop, HarnessSettings
 from trainer.rollout.training_templates import rollout_chat_template
 
 __all__ = ["HarnessAsyncGRPOConfig", "HarnessAsyncGRPOTrainer"]
@@ -85,5 +85,6 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.rollout_chat_template = rollout_chat_template(tokenizer, None, **dict(kwargs))
 
     def rollout_loop_kwargs(self) -> dict[str, Any]:
-        """The agent, for :class:`~trainer.rollout.harness_loop.HarnessRolloutLoop`."""
-        return {"agent": self.agent}
+        """The agent and its limits, for :class:`~trainer.rollout.harness_loop.HarnessRolloutLoop`."""
+        args = cast(HarnessAsyncGRPOConfig, self.args)  # checked in __init__
+        return {"agent": self.agent, "harness": HarnessSettings.from_config(args)}

@@ -11,6 +11,7 @@ cross the process boundary between the worker and the trainer.
 from __future__ import annotations
 
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -121,7 +122,7 @@ class RolloutGroup:
             multi-turn rollout forked).
         tool_call_counts: Tool calls made in each rollout.
         tool_failure_counts: Failed tool calls in each rollout.
-        model_version: Policy version when the group's first rollout started.
+        policy_version: Policy version when the group's first rollout started.
         group_id: Group identifier, counted from 0 by the rollout loop.
         row_index: Index of the prompt's row in the training dataset.
         env_rewards: For a rollout whose environment defines ``get_reward``, the environment class
@@ -140,7 +141,7 @@ class RolloutGroup:
     completions_sequences: list[list[TrainingSequence]]
     tool_call_counts: list[int]
     tool_failure_counts: list[int]
-    model_version: int
+    policy_version: int
     group_id: int
     row_index: int
     env_rewards: list[tuple[type, float] | None]
@@ -148,6 +149,13 @@ class RolloutGroup:
     queued_at: float = 0.0
     truncated: list[bool] = field(default_factory=list)
     rewards: np.ndarray | None = None
+
+    @property
+    def model_version(self) -> int:
+        """Deprecated: :attr:`policy_version`."""
+        warnings.warn("RolloutGroup.model_version is deprecated and will be removed in toolgym 0.2: read "
+                      "policy_version", FutureWarning, stacklevel=2)
+        return self.policy_version
 
 
 @dataclass

@@ -26,6 +26,7 @@ import pytest
 
 from sdk.tools import environment_tools, tool_from_function
 from tests.trainer.events import StopOnceLogged, StopWhen
+from tests.trainer.rollout.test_scoring import STUB_TOKENIZER, stub_settings
 from toolgym.launch.vllm_server import VLLMServer
 from trainer.metrics import MetricWindow
 from trainer.rollout.chat_template import render_prompt_ids
@@ -170,7 +171,7 @@ def _group(row_index: int, rewards: list[float]) -> Any:
     n = len(rewards)
     return RolloutGroup(prompts=[[]] * n, reward_kwargs={}, completions=[[]] * n, completions_ids=[[]] * n,
                         completions_sequences=[[]] * n, tool_call_counts=[0] * n, tool_failure_counts=[0] * n,
-                        model_version=0, group_id=row_index, row_index=row_index, env_rewards=[None] * n,
+                        policy_version=0, group_id=row_index, row_index=row_index, env_rewards=[None] * n,
                         rollout_rewards=[None] * n, rewards=np.array(rewards))
 
 
@@ -178,9 +179,7 @@ def test_curriculum_hooks_log_their_own_metrics(tmp_path: Path) -> None:
     # The hooks' log_metric / log_rate records are what the worker ships to the trainer's metric
     # window (rollout_loop._flush_metrics): reduced there with the built-in metrics' rules.
     ex = _example("curriculum")
-    config = ex.CurriculumConfig(output_dir=str(tmp_path), pass_rate_cap=0.75, report_to="none", use_cpu=True)
-    loop = ex.CurriculumRolloutLoop(config=config, model_name="tiny", dataset=None, reward_funcs=[],
-                                    processing_class=None, eos_token_ids=[0], channels=None)
+    loop = ex.CurriculumRolloutLoop(stub_settings(), STUB_TOKENIZER, pass_rate_cap=0.75)
     try:
         asyncio.run(loop.setup())
         loop.compute_advantages(_group(0, [1.0, 1.0, 1.0, 1.0]))  # solved

@@ -1,4 +1,4 @@
-"""``AsyncGRPOConfig``: the source's defaults (SPEC §1) and the cross-field rules of ``_validate``."""
+"""``AsyncGRPOConfig``: its defaults and the cross-field rules of ``_validate``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ DEFAULTS = {
     "token_budget": None,
     "max_concurrent_rollouts": 512,
     "max_staleness": 4,
+    "staleness_allowance": "capacity",
     "weight_sync_steps": 1,
     "rollout_worker_timeout": 300,
     "log_completions": False,
@@ -110,6 +111,7 @@ INVALID = [
     ({"max_staleness": -1}, r"max_staleness=-1 must be >= 0"),
     ({"token_budget": 0}, r"token_budget=0 must be >= 1"),
     ({"dtype": "float64"}, r"dtype='float64' must be one of"),
+    ({"staleness_allowance": "steps"}, r"staleness_allowance='steps' must be one of \('capacity', 'consumed'\)"),
 ]
 
 
@@ -133,6 +135,7 @@ def test_invalid_raises_config_error(make_config, kwargs, match):
     {"dtype": "auto"},
     {"dtype": "bfloat16"},
     {"temperature": 0.01},
+    {"staleness_allowance": "consumed"},
 ])
 def test_valid_edge_values(make_config, kwargs):
     config = make_config(**kwargs)
@@ -152,3 +155,11 @@ def test_a_trainer_leaves_the_callers_config_as_given(tmp_path, tiny_model_dir):
     assert config.max_steps == -1 and first.args.max_steps > 0
     second = AsyncGRPOTrainer(model=str(tiny_model_dir), reward_funcs=len, train_dataset=dataset, args=config)
     assert second._explicit_max_steps is False
+
+
+def test_the_former_name_of_the_consumed_rule_is_read_with_a_warning_naming_the_new_one(make_config):
+    # "source" is in users' YAML files: it still works for a release.
+    with pytest.warns(FutureWarning, match=r"staleness_allowance='source' is deprecated .* toolgym 0.2: write "
+                                           r"staleness_allowance='consumed'"):
+        config = make_config(staleness_allowance="source")
+    assert config.staleness_allowance == "consumed"

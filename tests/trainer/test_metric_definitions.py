@@ -110,7 +110,7 @@ def test_group_stds_of_a_scored_group() -> None:
     records = RecordBuffer()
     group = RolloutGroup(prompts=[[]] * 4, reward_kwargs={}, completions=[[]] * 4, completions_ids=[[1]] * 4,
                          completions_sequences=[[]] * 4, tool_call_counts=[0] * 4, tool_failure_counts=[0] * 4,
-                         model_version=0, group_id=0, row_index=0, env_rewards=[None] * 4,
+                         policy_version=0, group_id=0, row_index=0, env_rewards=[None] * 4,
                          rollout_rewards=[None] * 4, rewards=rewards)
     record_group_metrics(records, group, sources, dropped=False)
     names = {r[1] for r in records.take()}

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.config import AsyncGRPOConfig
 from trainer.rollout.evaluation import PolicyEval, evaluate_policy
+from trainer.rollout.settings import RolloutSettings
 
 TARGETS = (1, 2, 3, 4, 5, 6)
 EVAL_EPISODES_PER_TARGET = 96
@@ -89,7 +90,9 @@ def evaluate_counter(base_url: str, model_dir: str | Path, environment_factory: 
                      episodes_per_target: int = EVAL_EPISODES_PER_TARGET) -> PolicyEval:
     """Success on fresh counter episodes (every target of :data:`TARGETS`) of the served policy."""
     rows = [{"target": t} for t in TARGETS]
-    return evaluate_policy(base_url, str(model_dir), environment_factory, rows, samples_per_row=episodes_per_target)
+    settings = RolloutSettings.from_server(base_url, str(model_dir), max_completion_length=48,
+                                           max_tool_calling_iterations=8)
+    return evaluate_policy(settings, environment_factory, rows, samples_per_row=episodes_per_target)
 
 
 def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,

@@ -1,7 +1,7 @@
-"""The rollout worker's three concurrency limits (SPEC §2).
+"""The rollout worker's three concurrency limits (``docs/pipeline.md``).
 
 1. **Staleness allowance**: the trainer publishes how many tokens the worker may hold queued or
-   in flight (:class:`StalenessAllowance`). The source's rule (``staleness_allowance="source"``):
+   in flight (:class:`StalenessAllowance`). TRL AsyncGRPOTrainer's rule (``staleness_allowance="consumed"``):
    ``max(max_staleness, 1)`` x the tokens its last step consumed (before the first step, as if
    every row were full). The default (``"capacity"``) keeps a step of headroom below the drop
    limit and counts what a *full* step takes, not what the last one happened to take:
@@ -43,8 +43,8 @@ GROW_FACTOR = 1.25
 SHRINK_FACTOR = 0.70
 PACKING_RATIO_STEPS = 8  # steps over which the packing ratio of the "capacity" rule is measured
 
-AllowanceRule = Literal["source", "capacity"]
-ALLOWANCE_RULES: tuple[AllowanceRule, ...] = ("source", "capacity")
+AllowanceRule = Literal["consumed", "capacity"]
+ALLOWANCE_RULES: tuple[AllowanceRule, ...] = ("consumed", "capacity")
 
 
 class AdaptiveCap:
@@ -175,12 +175,12 @@ class StalenessAllowance:
     """The trainer's side of limit (1): how many sample tokens the worker may hold queued or in flight.
 
     Args:
-        rule: ``"source"`` (SPEC §2: ``max(max_staleness, 1)`` x the tokens the last step consumed)
-            or ``"capacity"`` (``max(max_staleness - 1, 1)`` x what a full step takes).
+        rule: ``"consumed"`` (TRL AsyncGRPOTrainer's: ``max(max_staleness, 1)`` x the tokens the last step
+            consumed) or ``"capacity"`` (``max(max_staleness - 1, 1)`` x what a full step takes).
         max_staleness: The drop limit, in policy versions.
         step_capacity: Forwarded tokens one step can take (token budget x rows x micro-batches).
 
-    Under ``"source"`` a worker faster than the trainer fills ``max_staleness`` steps of queue, so
+    Under ``"consumed"`` a worker faster than the trainer fills ``max_staleness`` steps of queue, so
     every sample is trained right at the drop limit and any jitter (a step that packs fewer
     samples, a group in flight across a sync) drops it. A step that took little because little
     was queued also shrinks the next allowance, although a longer queue would have been taken.
@@ -193,7 +193,7 @@ class StalenessAllowance:
             raise ValueError(f"staleness allowance rule {rule!r} is not one of {ALLOWANCE_RULES}")
         self.rule = rule
         self.step_capacity = step_capacity
-        self.steps_ahead = max(max_staleness, 1) if rule == "source" else max(max_staleness - 1, 1)
+        self.steps_ahead = max(max_staleness, 1) if rule == "consumed" else max(max_staleness - 1, 1)
         self._packing: collections.deque[tuple[int, int]] = collections.deque(maxlen=PACKING_RATIO_STEPS)
 
     @property
@@ -211,7 +211,7 @@ class StalenessAllowance:
     def after_step(self, consumed: int, packed: int, forwarded: int) -> int:
         """The allowance after a step that took ``consumed`` sample tokens off the queue and packed
         ``packed`` of them into ``forwarded`` forwarded tokens."""
-        if self.rule == "source":
+        if self.rule == "consumed":
             return self.steps_ahead * consumed
         if forwarded > 0:
             self._packing.append((packed, forwarded))

@@ -3,15 +3,23 @@
 ``environment_factory`` is a zero-argument callable, or a dict name -> callable routed by the
 dataset's ``environment`` column. An instance is taken for one rollout, ``reset`` between episodes,
 and returned to its pool afterwards, so an expensive ``__init__`` runs once per concurrent slot
-rather than once per episode.
+rather than once per episode. :func:`reset_environment` and :func:`environment_reward` open and
+score an episode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
+
+from sdk.exceptions import ServerUnavailableError
+from trainer.exceptions import RolloutFailed
+from trainer.metrics import RecordBuffer
+from trainer.rollout.tool_runner import call_maybe_async
 
 EnvironmentFactory = Callable[[], Any]
 
@@ -85,3 +93,42 @@ class EnvironmentPool:
             except Exception:  # closing is best effort: the process is ending
                 pass
         self._all.clear()
+
+
+async def reset_environment(env: Any, row: dict[str, Any], prompt: list[dict[str, Any]], executor: Executor,
+                            records: RecordBuffer) -> list[dict[str, Any]]:
+    """Start an episode: ``env.reset(**row's other columns)``; its text joins the prompt's last user
+    message (or is a new one). Records ``env/reset_s``.
+
+    Raises:
+        RolloutFailed: ``reset`` raised: only this rollout fails.
+        ServerUnavailableError: A new session found no env server (any replica) up: the run stops, naming them.
+    """
+    kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+    t0 = time.monotonic()
+    try:
+        text = await call_maybe_async(env.reset, executor, **kwargs)
+    except ServerUnavailableError:
+        raise
+    except Exception as exc:
+        raise RolloutFailed(f"{type(env).__name__}.reset raised {type(exc).__name__}: {exc}") from exc
+    records.add("env/reset_s", time.monotonic() - t0)
+    if text is None:
+        return prompt
+    if prompt and prompt[-1].get("role") == "user":
+        last = dict(prompt[-1])
+        last["content"] = f"{last.get('content') or ''}{text}"
+        return [*prompt[:-1], last]
+    return [*prompt, {"role": "user", "content": str(text)}]
+
+
+async def environment_reward(env: Any, executor: Executor, records: RecordBuffer) -> tuple[type, float] | None:
+    """The episode's ``(environment class, get_reward())``; ``None`` without a ``get_reward`` or a
+    reward. Records ``env/reward_s``."""
+    get_reward = getattr(env, "get_reward", None)
+    if get_reward is None:
+        return None
+    t0 = time.monotonic()
+    value = await call_maybe_async(get_reward, executor)
+    records.add("env/reward_s", time.monotonic() - t0)
+    return None if value is None else (type(env), float(value))

@@ -1,7 +1,9 @@
 """Held-out evaluation through the same machinery as training: the vLLM server, the rollout loop's
 multi-turn rollouts (:meth:`AsyncRolloutLoop.evaluate`) and the environment (local or on an env server).
 
-    result = evaluate_policy(base_url, model_dir, remote_factory(url, "IncrementEnv"),
+    settings = RolloutSettings.from_server(base_url, model_dir, max_completion_length=48,
+                                           max_tool_calling_iterations=8)
+    result = evaluate_policy(settings, remote_factory(url, "IncrementEnv"),
                              rows=[{"target": t} for t in range(1, 7)], samples_per_row=8)
     result.success_rate     # mean environment reward (1.0 = goal reached)
 """
@@ -9,19 +11,14 @@ multi-turn rollouts (:meth:`AsyncRolloutLoop.evaluate`) and the environment (loc
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from trainer.config import AsyncGRPOConfig
-from trainer.rollout.chat_template import rollout_family, stop_token_ids
+from trainer.rollout.env_pool import EnvironmentFactory
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.worker import WorkerChannels
-from trainer.vllm.admin import VLLMAdminClient
-from trainer.vllm.server_info import read_server_info
+from trainer.rollout.settings import RolloutSettings
 
 
 @dataclass
@@ -42,30 +39,24 @@ class PolicyEval:
 
 
 def evaluate_policy(
-    base_url: str,
-    model_dir: str,
-    environment_factory: Any,
+    settings: RolloutSettings,
+    environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory],
     rows: list[dict[str, Any]],
     samples_per_row: int = 8,
-    max_completion_length: int = 48,
-    max_tool_calling_iterations: int = 8,
-    temperature: float = 1.0,
     concurrency: int = 32,
 ) -> PolicyEval:
-    """Run ``samples_per_row`` rollouts per row against the served policy; average the env rewards."""
-    config = AsyncGRPOConfig(
-        output_dir=tempfile.gettempdir(), vllm_server_base_url=base_url, num_generations=2, temperature=temperature,
-        max_completion_length=max_completion_length, max_tool_calling_iterations=max_tool_calling_iterations,
-        report_to="none", use_cpu=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=0, initial_version=0)
-    server = read_server_info(VLLMAdminClient(base_url, timeout_s=config.vllm_server_timeout))
-    stops = stop_token_ids(tokenizer, rollout_family(tokenizer.chat_template))  # the family's, EOS included
-    loop = AsyncRolloutLoop(config=config, model_name=model_dir, dataset=None, reward_funcs=[],
-                            processing_class=tokenizer, eos_token_ids=stops, channels=channels,
-                            environment_factory=environment_factory, max_model_len=server.max_model_len,
-                            served_model=server.model)
+    """Run ``samples_per_row`` rollouts per row against the served policy; average the env rewards.
 
+    Args:
+        settings: The server, the model (its tokenizer is loaded from ``settings.model_name``) and the
+            sampling settings (:meth:`RolloutSettings.from_server`).
+        environment_factory: The environment each rollout runs in (it scores with ``get_reward``).
+        rows: Dataset rows (``reset``'s keyword arguments, a ``prompt`` if any).
+        samples_per_row: Rollouts per row.
+        concurrency: Most rollouts in flight.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_name)
+    loop = AsyncRolloutLoop(settings, tokenizer, environment_factory=environment_factory)
     results = asyncio.run(loop.evaluate(rows, samples_per_row, concurrency))
     rewards = [e[1] if e is not None else 0.0 for _, _, e in results]
     calls = sum(r.tool_call_count for _, r, _ in results)

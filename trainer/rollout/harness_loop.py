@@ -6,7 +6,8 @@ concurrency limits, environments, scoring, reconciliation, metrics) and replaces
 runs the agent against it (:func:`~trainer.rollout.agents.run_agent`), closes it and turns the
 recorded turns into the :class:`~trainer.records.Rollout` the group is scored and trained on. The
 endpoint (:class:`~trainer.rollout.harness.CaptureServer`) starts in :meth:`setup` and stops in
-:meth:`close`, on the worker's event loop.
+:meth:`close`, on the worker's event loop. The agent's limits and the endpoint's address come from the
+trainer's :class:`~trainer.harness_trainer.HarnessAsyncGRPOConfig` as a :class:`HarnessSettings`.
 """
 
 from __future__ import annotations
@@ -14,19 +15,50 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from sdk.tools import Tool
 from trainer.exceptions import RolloutFailed
+from trainer.harness_config import HarnessAsyncGRPOConfig
 from trainer.records import Rollout, TurnRecord
 from trainer.rollout.agents import AgentTask, check_agent, run_agent
 from trainer.rollout.harness import CaptureServer, CaptureSession, InProcessTransport
 from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.settings import declared_default
 
-if TYPE_CHECKING:
-    from trainer.harness_config import HarnessAsyncGRPOConfig
+__all__ = ["HarnessRolloutLoop", "HarnessSettings"]
 
-__all__ = ["HarnessRolloutLoop"]
+
+def _default(name: str) -> Any:
+    return field(default=declared_default(HarnessAsyncGRPOConfig, name))
+
+
+@dataclass(frozen=True)
+class HarnessSettings:
+    """The harness loop's own settings: the :class:`~trainer.harness_trainer.HarnessAsyncGRPOConfig`
+    fields of the same names (see their help), defaulting to theirs.
+
+    Attributes:
+        agent_timeout: Seconds an agent has for one rollout.
+        agent_max_requests: Chat requests one rollout may make.
+        agent_parallel_requests: Requests of one rollout sampled at once.
+        harness_host: Address the capture endpoint listens on.
+        harness_port: The endpoint's port (0: a free one).
+        harness_max_request_bytes: Largest request body the endpoint reads.
+    """
+
+    agent_timeout: float = _default("agent_timeout")
+    agent_max_requests: int = _default("agent_max_requests")
+    agent_parallel_requests: int = _default("agent_parallel_requests")
+    harness_host: str = _default("harness_host")
+    harness_port: int = _default("harness_port")
+    harness_max_request_bytes: int = _default("harness_max_request_bytes")
+
+    @classmethod
+    def from_config(cls, config: HarnessAsyncGRPOConfig) -> HarnessSettings:
+        """The fields of ``config`` of the same names."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 def captured_completion(session: CaptureSession) -> list[dict[str, Any]]:
@@ -56,28 +88,27 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     """The rollout loop of :class:`~trainer.harness_trainer.HarnessAsyncGRPOTrainer`.
 
     Args:
-        *args: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`; ``config`` is a
-            :class:`~trainer.harness_trainer.HarnessAsyncGRPOConfig`.
+        *args: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`.
         agent: The agent (see :func:`~trainer.rollout.agents.check_agent`).
+        harness: The agent's limits and the endpoint's address; ``None``: the defaults.
         **kwargs: As :class:`~trainer.rollout.loop.AsyncRolloutLoop`.
     """
 
-    config: HarnessAsyncGRPOConfig
-
-    def __init__(self, *args: Any, agent: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, agent: Any, harness: HarnessSettings | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.agent = check_agent(agent)
+        self.harness = harness or HarnessSettings()
         self.capture: CaptureServer | None = None
         self._http_client: Any = None
 
     async def setup(self) -> None:
         """Start the capture endpoint."""
         await super().setup()
-        c = self.config
+        s, h = self.settings, self.harness
         self.capture = CaptureServer(
-            self._sample, self.tokenizer, self.model_name, self.max_model_len, self.records, self.chat_template,
-            self.chat_template_kwargs, host=c.harness_host, port=c.harness_port,
-            max_request_bytes=c.harness_max_request_bytes)
+            self._sample, self.tokenizer, s.model_name, s.server.max_model_len, self.records, s.chat_template,
+            dict(s.chat_template_kwargs), host=h.harness_host, port=h.harness_port,
+            max_request_bytes=h.harness_max_request_bytes)
         await self.capture.start()
         self._http_client = _shared_http_client(self.capture)
 
@@ -92,7 +123,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     async def _sample(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]) -> TurnRecord:
         """One request's turn: the trainer's sampling settings, at most the request's ``max_tokens``
         (and what fits the server's ``max_model_len``)."""
-        limit = min(self.params.max_tokens, max_tokens or self.params.max_tokens, self.max_model_len - len(prompt_ids))
+        room = self.settings.server.max_model_len - len(prompt_ids)
+        limit = min(self.params.max_tokens, max_tokens or self.params.max_tokens, room)
         return await self.generate_one_turn(prompt_ids, dataclasses.replace(self.params, max_tokens=limit))
 
     async def run_rollout(self, row: dict[str, Any], prompt: list[dict[str, Any]], tools: list[Tool], env: Any,
@@ -104,12 +136,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 no request: only this rollout fails.
         """
         assert self.capture is not None, "setup() starts the endpoint"
-        c = self.config
+        h = self.harness
         # The session samples in this rollout's context: its group's policy version (LoRA adapter).
-        session = self.capture.open(contextvars.copy_context(), c.agent_max_requests, c.agent_parallel_requests)
+        session = self.capture.open(contextvars.copy_context(), h.agent_max_requests, h.agent_parallel_requests)
         task = AgentTask(row=row, prompt=prompt, tools=[t.schema for t in tools], env=env, base_url=session.base_url,
-                         api_key=session.secret, model=self.model_name, timeout_s=c.agent_timeout, env_tools=tools,
-                         executor=self.executor, http_client=self._http_client)
+                         api_key=session.secret, model=self.settings.model_name, timeout_s=h.agent_timeout,
+                         env_tools=tools, executor=self.executor, http_client=self._http_client)
         try:
             outcome = await run_agent(self.agent, task, cancel=session.failed)
         finally:

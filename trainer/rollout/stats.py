@@ -1,4 +1,4 @@
-"""Per-rollout and per-group metrics recorded by the rollout worker (names as in the source).
+"""Per-rollout and per-group metrics recorded by the rollout worker (names as in TRL's AsyncGRPOTrainer).
 
 Recorded when the worker scores a group, not when its samples train, so they include groups that
 are later dropped (all rewards equal, or stale). The group standard deviations are the exception:

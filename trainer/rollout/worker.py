@@ -1,9 +1,10 @@
 """The rollout worker process: its channels to the trainer, its entry point, and the trainer's handle.
 
 The worker is a *spawned* process with ``CUDA_VISIBLE_DEVICES=""`` running one
-:class:`~trainer.rollout.loop.AsyncRolloutLoop` on an asyncio loop. It talks to the trainer only
-through :class:`WorkerChannels`: a queue of scored groups, a queue of metric records, a queue for
-its traceback, shared values (policy version, token allowance, tokens consumed, heartbeat) and two
+:class:`~trainer.rollout.loop.AsyncRolloutLoop` on an asyncio loop, built from a
+:class:`~trainer.rollout.settings.RolloutSettings`. It talks to the trainer only through
+:class:`WorkerChannels`: a queue of scored groups, a queue of metric records, a queue for its
+traceback, shared values (policy version, token allowance, tokens consumed, heartbeat) and two
 events (failed, stop). :class:`RolloutWorker` is the trainer's side: start, take groups (raising
 :class:`~trainer.exceptions.RolloutWorkerError` with the worker's traceback within a second of a crash,
 or after ``rollout_worker_timeout`` without a heartbeat), stop (never leaving a process behind).
@@ -11,65 +12,128 @@ or after ``rollout_worker_timeout`` without a heartbeat), stop (never leaving a 
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import logging
 import multiprocessing as mp
 import os
 import queue
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext, SpawnContext
 from typing import TYPE_CHECKING, Any
 
 from trainer.exceptions import RolloutWorkerError
+from trainer.metrics import Record
 from trainer.records import QueuedGroup
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event
+
+    from trainer.rollout.loop import AsyncRolloutLoop
+    from trainer.rollout.settings import RolloutSettings
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+HEARTBEAT_S = 1.0
+STOP_POLL_S = 0.1
 
 
 @dataclass
 class WorkerChannels:
-    """Everything shared between the trainer and the worker process (all picklable for spawn)."""
+    """Everything shared between the trainer and the worker process (all picklable for spawn).
+
+    The shared values have one writer each (no lock): the trainer writes ``policy_version``,
+    ``token_allowance`` and ``consumed_tokens``; the worker the others.
+
+    Attributes:
+        rollout_buffer: Scored groups, worker -> trainer.
+        metrics_queue: Batches of metric records, worker -> trainer.
+        exception_queue: The worker's traceback when it fails.
+        policy_version: The newest policy version; new groups start under it.
+        token_allowance: Sample tokens the worker may hold queued or in flight (the staleness allowance).
+        consumed_tokens: Sample tokens the trainer has taken off the queue since the start.
+        heartbeat: ``time.time()`` of the worker's event loop's last beat.
+        failed: Set by the worker when it fails (its traceback is on ``exception_queue``).
+        stop: Set by the trainer to stop the worker.
+        queued_samples: Training samples the worker has put on ``rollout_buffer``.
+        epoch_size: Prompts per epoch; 0 until known (a stream's size is known after its first pass).
+    """
 
     rollout_buffer: Queue[QueuedGroup]
-    metrics_queue: Queue[list[Any]]  # batches of metric records
-    exception_queue: Queue[str]  # the worker's traceback
-    model_version: Any
-    token_allowance: Any
-    consumed_tokens: Any
-    heartbeat: Any
-    failed: Any
-    stop: Any
-    queued_samples: Any  # training samples the worker has put on rollout_buffer (only the worker writes it)
-    epoch_size: Any  # prompts per epoch; 0 until known (a stream's size is known after its first pass)
+    metrics_queue: Queue[list[Record]]
+    exception_queue: Queue[str]
+    policy_version: ctypes.c_int64
+    token_allowance: ctypes.c_int64
+    consumed_tokens: ctypes.c_int64
+    heartbeat: ctypes.c_double
+    failed: Event
+    stop: Event
+    queued_samples: ctypes.c_int64
+    epoch_size: ctypes.c_int64
 
     @classmethod
-    def create(cls, ctx: Any, initial_allowance: int, initial_version: int, epoch_size: int = 0) -> WorkerChannels:
+    def create(cls, ctx: BaseContext, initial_allowance: int, initial_version: int,
+               epoch_size: int = 0) -> WorkerChannels:
         """Make the queues, values and events in multiprocessing context ``ctx`` (``epoch_size``: the
         dataset's size when known, 0 for a stream or no dataset)."""
         return cls(
             rollout_buffer=ctx.Queue(),
             metrics_queue=ctx.Queue(),
             exception_queue=ctx.Queue(),
-            model_version=ctx.Value("q", initial_version, lock=False),
-            token_allowance=ctx.Value("q", initial_allowance, lock=False),
-            consumed_tokens=ctx.Value("q", 0, lock=False),
-            heartbeat=ctx.Value("d", time.time(), lock=False),
+            policy_version=ctx.RawValue(ctypes.c_int64, initial_version),
+            token_allowance=ctx.RawValue(ctypes.c_int64, initial_allowance),
+            consumed_tokens=ctx.RawValue(ctypes.c_int64, 0),
+            heartbeat=ctx.RawValue(ctypes.c_double, time.time()),
             failed=ctx.Event(),
             stop=ctx.Event(),
-            queued_samples=ctx.Value("q", 0, lock=False),
-            epoch_size=ctx.Value("q", epoch_size, lock=False),
+            queued_samples=ctx.RawValue(ctypes.c_int64, 0),
+            epoch_size=ctx.RawValue(ctypes.c_int64, epoch_size),
         )
 
+    def queues(self) -> tuple[Queue[Any], ...]:
+        """The three queues."""
+        return self.rollout_buffer, self.metrics_queue, self.exception_queue
 
-def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
+
+def require_channels(channels: WorkerChannels | None) -> WorkerChannels:
+    """``channels``, or :class:`RolloutWorkerError` when a loop outside the worker process has none."""
+    if channels is None:
+        raise RolloutWorkerError("the rollout loop has no channels to the trainer: it runs, and sends groups and "
+                                 "metrics, only inside the rollout worker (RolloutWorker); outside it, use evaluate()")
+    return channels
+
+
+async def heartbeat(channels: WorkerChannels) -> None:
+    """Beat every ``HEARTBEAT_S`` while the worker's event loop runs (the trainer watches it)."""
+    while True:
+        channels.heartbeat.value = time.time()
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def wait_for_stop(channels: WorkerChannels) -> None:
+    """Return when the trainer sets the stop event, or when the trainer process is gone."""
+    trainer = mp.parent_process()  # None when the loop runs in the trainer's process (tests)
+    while not channels.stop.is_set():
+        if trainer is not None and not trainer.is_alive():
+            logger.warning("the trainer process is gone (killed?): the rollout worker stops")
+            # No one reads the queues any more: exiting must not wait to flush them (their
+            # feeder threads block on full pipes).
+            for q in channels.queues():
+                q.cancel_join_thread()
+            return
+        await asyncio.sleep(STOP_POLL_S)
+
+
+def worker_main(loop_cls: type[AsyncRolloutLoop], settings: RolloutSettings, loop_kwargs: dict[str, Any],
+                channels: WorkerChannels) -> None:
     """Entry point of the spawned process: build the loop and run it until stopped or failed."""
-    import asyncio
-
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        loop = loop_cls(channels=channels, **loop_kwargs)
+        loop = loop_cls(settings, channels=channels, **loop_kwargs)
         asyncio.run(loop.run())
     except BaseException:  # everything, KeyboardInterrupt included, must reach the trainer
         channels.exception_queue.put(traceback.format_exc())
@@ -81,16 +145,19 @@ class RolloutWorker:
 
     Args:
         loop_cls: The :class:`~trainer.rollout.loop.AsyncRolloutLoop` (sub)class to run.
-        loop_kwargs: Its constructor arguments (must pickle).
+        settings: The loop's settings.
+        loop_kwargs: Its other constructor arguments: the dataset, reward functions, tokenizer,
+            tools, environment factory, resume position, a subclass's own (all must pickle).
         channels: Created with :meth:`WorkerChannels.create` in the same spawn context.
         timeout_s: ``rollout_worker_timeout``: seconds without a heartbeat before the worker counts as hung.
+        ctx: The multiprocessing context (:func:`spawn_context`).
     """
 
-    def __init__(self, loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels, timeout_s: float,
-                 ctx: Any) -> None:
+    def __init__(self, loop_cls: type[AsyncRolloutLoop], settings: RolloutSettings, loop_kwargs: dict[str, Any],
+                 channels: WorkerChannels, timeout_s: float, ctx: SpawnContext) -> None:
         self.channels = channels
         self.timeout_s = timeout_s
-        self.process = ctx.Process(target=worker_main, args=(loop_cls, loop_kwargs, channels),
+        self.process = ctx.Process(target=worker_main, args=(loop_cls, settings, loop_kwargs, channels),
                                    name="toolgym-rollout-worker", daemon=True)
 
     def start(self) -> None:
@@ -159,9 +226,9 @@ class RolloutWorker:
         except NotImplementedError:  # macOS
             return 0
 
-    def drain_metrics(self) -> list[Any]:
+    def drain_metrics(self) -> list[Record]:
         """Every metric record the worker sent since the last call."""
-        records: list[Any] = []
+        records: list[Record] = []
         while True:
             try:
                 records.extend(self.channels.metrics_queue.get_nowait())
@@ -197,11 +264,11 @@ class RolloutWorker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        for q in (self.channels.rollout_buffer, self.channels.metrics_queue, self.channels.exception_queue):
+        for q in self.channels.queues():
             q.cancel_join_thread()
             q.close()
 
 
-def spawn_context() -> Any:
+def spawn_context() -> SpawnContext:
     """The multiprocessing context for the worker (always spawn: no forked CUDA or threads)."""
     return mp.get_context("spawn")

@@ -23,6 +23,7 @@ from toolgym.kit.warm_start import Transcript, WarmStartConfig, counter_tools, f
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.families import Family, families
 from trainer.rollout.evaluation import evaluate_policy
+from trainer.rollout.settings import RolloutSettings
 
 FAMILIES = [f for f in families() if f.training_template is not None][:8]
 
@@ -57,8 +58,9 @@ def served(request: pytest.FixtureRequest,
 
 def test_a_two_call_rollout_through_the_real_server(served: tuple[Family, Path, str]) -> None:
     family, model_dir, base_url = served
-    result = evaluate_policy(base_url, str(model_dir), IncrementEnv, rows=[{"target": 2}], samples_per_row=4,
-                             temperature=0.05, max_completion_length=96)
+    settings = RolloutSettings.from_server(base_url, str(model_dir), temperature=0.05, max_completion_length=96,
+                                           max_tool_calling_iterations=8)
+    result = evaluate_policy(settings, IncrementEnv, rows=[{"target": 2}], samples_per_row=4)
     assert result.episodes == 4
     assert result.tool_calls_per_episode == 2.0 and result.failed_tool_call_frac == 0.0, (family.name, result)
     assert result.success_rate == 1.0, (family.name, result)

@@ -75,7 +75,11 @@ async def counter_agent(task: AgentTask) -> None:
 
 
 class RecordingHarnessLoop(HarnessRolloutLoop):
-    """Writes, per rollout, what the test checks to ``<output_dir>/rollouts.jsonl``."""
+    """Writes, per rollout, what the test checks to ``<record_dir>/rollouts.jsonl``."""
+
+    def __init__(self, *args: Any, record_dir: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_dir = Path(record_dir)
 
     async def run_rollout(self, row: dict[str, Any], prompt: list[dict[str, Any]], tools: list[Any], env: Any,
                           group_id: int = 0) -> Rollout:
@@ -95,11 +99,15 @@ class RecordingHarnessLoop(HarnessRolloutLoop):
             return rollout
         finally:
             record.update(mode=getattr(env, "harness_mode", None), seen_tokens=getattr(env, "harness_seen_tokens", 0))
-            with open(Path(self.config.output_dir) / "rollouts.jsonl", "a") as f:
+            with open(self.record_dir / "rollouts.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
 
 class RecordingHarnessTrainer(HarnessAsyncGRPOTrainer):
-    """The harness trainer with :class:`RecordingHarnessLoop`."""
+    """The harness trainer with :class:`RecordingHarnessLoop`, recording into the run's ``output_dir``."""
 
     loop_cls = RecordingHarnessLoop
+
+    def rollout_loop_kwargs(self) -> dict[str, Any]:
+        """The harness loop's arguments and the folder it records into."""
+        return {**super().rollout_loop_kwargs(), "record_dir": self.args.output_dir}

@@ -371,17 +371,17 @@ def test_mean_in_flight_sees_a_stall_between_two_instants():
 
 # --- StalenessAllowance: the trainer's side of the allowance ------------------------------------
 
-@pytest.mark.parametrize(("max_staleness", "source_steps", "capacity_steps"), [
+@pytest.mark.parametrize(("max_staleness", "consumed_steps", "capacity_steps"), [
     (4, 4, 3), (2, 2, 1), (1, 1, 1), (0, 1, 1),
 ])
-def test_allowance_rules_steps_ahead(max_staleness, source_steps, capacity_steps):
-    source = StalenessAllowance("source", max_staleness, step_capacity=1000)
+def test_allowance_rules_steps_ahead(max_staleness, consumed_steps, capacity_steps):
+    consumed = StalenessAllowance("consumed", max_staleness, step_capacity=1000)
     capacity = StalenessAllowance("capacity", max_staleness, step_capacity=1000)
-    assert (source.initial, capacity.initial) == (source_steps * 1000, capacity_steps * 1000)
+    assert (consumed.initial, capacity.initial) == (consumed_steps * 1000, capacity_steps * 1000)
 
 
-def test_source_rule_follows_the_last_step_consumption():
-    rule = StalenessAllowance("source", 4, step_capacity=1000)
+def test_consumed_rule_follows_the_last_step_consumption():
+    rule = StalenessAllowance("consumed", 4, step_capacity=1000)
     assert rule.after_step(consumed=11_000, packed=11_000, forwarded=1000) == 44_000
     assert rule.after_step(consumed=200, packed=200, forwarded=20) == 800  # a short queue shrinks it
 

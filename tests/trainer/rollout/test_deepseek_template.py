@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +35,11 @@ from trainer.rollout.chat_template import (
     render_prompt_ids,
     rollout_family,
 )
-from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.reconcile import reconcile_turns
+from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.training_templates import renders_like_stock, rollout_chat_template
-from trainer.rollout.worker import WorkerChannels
+from trainer.vllm.server_info import ServerInfo
 
 DEEPSEEK_V3_STYLE_STOCK = r"""
 {%- set ns = namespace(system='', first=true, tool=false) -%}
@@ -227,13 +226,10 @@ def _scripted_loop(tokenizer: PreTrainedTokenizerBase, tmp_path: Path, chat_temp
     A stand-in for the vLLM server: what is tested is the loop's rendering and parsing, and the tiny
     model knows nothing of DeepSeek's markers.
     """
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url="http://127.0.0.1:9", num_generations=2,
-                             max_completion_length=64, report_to="none", use_cpu=True)
-    channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=10**9, initial_version=0)
-    loop = AsyncRolloutLoop(config=config, model_name="tiny", dataset=None, reward_funcs=[],
-                            processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
-                            tools=[increment], max_model_len=4096, chat_template=chat_template)
-    loop.cap = AdaptiveCap(8, None, 4096)
+    settings = RolloutSettings(model_name="tiny", vllm_server_base_url="http://127.0.0.1:9",
+                               server=ServerInfo(model="tiny", max_model_len=4096), chat_template=chat_template,
+                               max_completion_length=64)
+    loop = AsyncRolloutLoop(settings, tokenizer, tools=[increment])
     script = iter(texts)
 
     async def turn(prompt_ids: list[int], params: Any = None) -> TurnRecord:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
 import sys
 import textwrap
 from pathlib import Path
@@ -29,10 +28,10 @@ from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 from trainer.harness_trainer import HarnessAsyncGRPOConfig, HarnessAsyncGRPOTrainer
 from trainer.rewards import tool_error_penalty
-from trainer.rollout.concurrency import AdaptiveCap
-from trainer.rollout.harness_loop import HarnessRolloutLoop
-from trainer.rollout.worker import WorkerChannels
+from trainer.rollout.harness_loop import HarnessRolloutLoop, HarnessSettings
+from trainer.rollout.settings import RolloutSettings
 from trainer.sync.weight_sync import WeightSynchronizer
+from trainer.vllm.server_info import ServerInfo
 
 STEPS = 3
 AGENT_TIMEOUT_S = 20.0  # a hanging rollout costs this; a loaded CPU can take seconds per turn
@@ -116,18 +115,16 @@ def test_a_command_agent_runs_a_rollout(vllm_server: VLLMServer, tiny_model_dir:
     script = tmp_path / "agent.py"
     script.write_text(SCRIPT)
     config = _config(tmp_path, vllm_server.base_url, agent_timeout=180)  # Python + openai start in seconds
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=10**9, initial_version=0)
-    loop = HarnessRolloutLoop(config=config, model_name=str(tiny_model_dir), dataset=None, reward_funcs=[],
-                              processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
-                              max_model_len=1024, agent=[sys.executable, str(script)])
-    loop.cap = AdaptiveCap(4, None, 1024)
+    settings = RolloutSettings.from_config(config, str(tiny_model_dir),
+                                           ServerInfo(model=str(tiny_model_dir), max_model_len=1024))
+    loop = HarnessRolloutLoop(settings, AutoTokenizer.from_pretrained(tiny_model_dir),
+                              agent=[sys.executable, str(script)], harness=HarnessSettings.from_config(config))
 
     async def go() -> list[Any]:
         await loop.setup()
         try:
             row = {"prompt": [{"role": "user", "content": "Say something."}]}
-            return await asyncio.gather(loop._one_rollout(row, 0), loop._one_rollout(row, 0))
+            return await asyncio.gather(loop.scheduler.one_rollout(row, 0), loop.scheduler.one_rollout(row, 0))
         finally:
             await loop.sampler.close()
             await loop.close()

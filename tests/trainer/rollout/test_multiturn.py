@@ -7,7 +7,6 @@ a real weight sync; ``restore_served_weights`` puts the original weights back af
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +25,10 @@ from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import RolloutWorkerError
 from trainer.records import Rollout
-from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.reconcile import reconcile_turns
+from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.tool_runner import ToolRunner, tools_from_functions
-from trainer.rollout.worker import WorkerChannels
 from trainer.sync.weight_sync import WeightSynchronizer
 
 
@@ -125,26 +123,14 @@ def thinking_warm_server(vllm_server: VLLMServer, thinking_warm_model_dir: Path,
 
 
 def _loop(server: VLLMServer, model_dir: Path, tmp_path: Path, **kwargs: Any) -> AsyncRolloutLoop:
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.base_url, num_generations=2,
-                             max_completion_length=48, max_tool_calling_iterations=6, report_to="none", use_cpu=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    channels = WorkerChannels.create(mp.get_context("spawn"), initial_allowance=10**9, initial_version=0)
-    loop = AsyncRolloutLoop(config=config, model_name=str(model_dir), dataset=None, reward_funcs=[],
-                            processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
-                            max_model_len=1024, **kwargs)
-    loop.cap = AdaptiveCap(8, None, 1024)
-    return loop
+    settings = RolloutSettings.from_server(server.base_url, str(model_dir), max_completion_length=48,
+                                           max_tool_calling_iterations=6)
+    return AsyncRolloutLoop(settings, AutoTokenizer.from_pretrained(model_dir), **kwargs)
 
 
 def _rollouts(loop: AsyncRolloutLoop, rows: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], Rollout, Any]]:
-    async def go() -> list[Any]:
-        try:
-            return [await loop._one_rollout(row, i) for i, row in enumerate(rows)]
-        finally:
-            await loop.sampler.close()
-            await loop.envs.aclose()
-
-    return asyncio.run(go())
+    """One rollout of each row, one at a time."""
+    return asyncio.run(loop.evaluate(rows, samples_per_row=1, concurrency=1))
 
 
 def _check_tool_rollout(rollout: Rollout, env_reward: Any) -> None:

@@ -18,7 +18,7 @@ def _group(n: int = 2, hang: bool = False) -> RolloutGroup:
     return RolloutGroup(
         prompts=[[]] * n, reward_kwargs={"hang": [hang] * n}, completions=[[]] * n,
         completions_ids=[[1]] * n, completions_sequences=[[] for _ in range(n)], tool_call_counts=[0] * n,
-        tool_failure_counts=[0] * n, model_version=0, group_id=0, row_index=0, env_rewards=[None] * n,
+        tool_failure_counts=[0] * n, policy_version=0, group_id=0, row_index=0, env_rewards=[None] * n,
         rollout_rewards=[None] * n)
 
 

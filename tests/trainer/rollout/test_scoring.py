@@ -8,12 +8,14 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from trainer.exceptions import RewardFunctionError
 from trainer.records import Rollout, RolloutGroup, TurnRecord
+from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.scoring import (
     call_reward_funcs,
     group_advantages,
@@ -21,6 +23,8 @@ from trainer.rollout.scoring import (
     reward_func_name,
     sum_rewards,
 )
+from trainer.rollout.settings import RolloutSettings
+from trainer.vllm.server_info import ServerInfo
 
 NAN = math.nan
 
@@ -33,7 +37,7 @@ def make_group(n: int = 3, **columns) -> RolloutGroup:
         completions_ids=[[10 + i, 20 + i] for i in range(n)],
         completions_sequences=[[] for _ in range(n)],
         tool_call_counts=[0] * n, tool_failure_counts=[0] * n,
-        model_version=0, group_id=0, row_index=0,
+        policy_version=0, group_id=0, row_index=0,
         env_rewards=[None] * n, rollout_rewards=[None] * n,
     )
 
@@ -265,15 +269,19 @@ def test_a_rollout_is_truncated_when_its_last_turn_has_no_eos() -> None:
     assert two_turns.truncated(eos), "only the last turn decides"
 
 
-def _scoring_loop(tmp_path, mask: bool):
-    """A rollout loop that is never started: only its scoring is used (no server, no worker)."""
-    from trainer.config import AsyncGRPOConfig
-    from trainer.rollout.loop import AsyncRolloutLoop
+def stub_settings(**fields) -> RolloutSettings:
+    """Settings of a loop that never reaches a server."""
+    return RolloutSettings(model_name="unused", vllm_server_base_url="http://127.0.0.1:9",
+                           server=ServerInfo(model="unused", max_model_len=2048), **fields)
 
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
-                             mask_truncated_completions=mask)
-    return AsyncRolloutLoop(config=config, model_name="unused", dataset=None, reward_funcs=[],
-                            processing_class=None, eos_token_ids=[0], channels=None)
+
+STUB_TOKENIZER = SimpleNamespace(eos_token_id=0, chat_template=None, get_vocab=dict)
+"""Enough of a tokenizer for a loop that scores but never renders (its EOS is token 0)."""
+
+
+def _scoring_loop(tmp_path, mask: bool) -> AsyncRolloutLoop:
+    """A rollout loop that is never started: only its scoring is used (no server, no worker)."""
+    return AsyncRolloutLoop(stub_settings(mask_truncated_completions=mask), STUB_TOKENIZER)
 
 
 @pytest.mark.parametrize("mask", [False, True])
@@ -287,7 +295,7 @@ def test_masked_truncated_rollouts_are_scored_but_not_trained(tmp_path, mask: bo
     group.completions_sequences = [[TrainingSequence(input_ids=[1, 10 + i], loss_mask=[0, 1],
                                                      sampler_logprobs=[0.0, -0.5])] for i in range(4)]
     try:
-        queued = loop._score(group, [], position=3)
+        queued = loop.scheduler.score(group, [], position=3)
     finally:
         loop.executor.shutdown()
     kept = [1, 2] if mask else [0, 1, 2, 3]
@@ -308,7 +316,7 @@ def test_a_group_whose_untruncated_rollouts_all_tie_is_dropped(tmp_path) -> None
     group.rollout_rewards = [1.0, 0.0, 0.0]
     group.truncated = [True, False, False]
     try:
-        assert loop._score(group, [], position=0).samples == []
+        assert loop.scheduler.score(group, [], position=0).samples == []
     finally:
         loop.executor.shutdown()
 
@@ -320,9 +328,6 @@ def test_a_scored_group_carries_its_reward_metrics(tmp_path) -> None:
     ``queue.Queue`` stands in for the multiprocessing queue (the trainer end is not under test).
     """
     import queue
-    from types import SimpleNamespace
-
-    from trainer.rollout.concurrency import TokenAllowance
 
     loop = _scoring_loop(tmp_path, mask=False)
     metrics: queue.Queue = queue.Queue()
@@ -332,16 +337,15 @@ def test_a_scored_group_carries_its_reward_metrics(tmp_path) -> None:
         def put(self, item) -> None:
             seen_at_put.append([name for _, name, _, _ in item.records])
 
-    loop.channels = SimpleNamespace(metrics_queue=metrics, rollout_buffer=_Buffer(),
-                                    queued_samples=SimpleNamespace(value=0))
-    loop.allowance = TokenAllowance()
+    loop.telemetry.channels = SimpleNamespace(metrics_queue=metrics, rollout_buffer=_Buffer(),
+                                              queued_samples=SimpleNamespace(value=0))
     group = make_group(2)
     group.rollout_rewards = [1.0, 0.0]
+    loop.scheduler.allowance.started()
 
     async def score_one() -> None:
-        loop.score_queue = asyncio.Queue()
-        await loop.score_queue.put((group, [], 0))
-        task = asyncio.create_task(loop._score_forever())
+        await loop.scheduler.score_queue.put((group, [], 0))
+        task = asyncio.create_task(loop.scheduler.score_forever())
         while not seen_at_put and not task.done():
             await asyncio.sleep(0.01)
         task.cancel()

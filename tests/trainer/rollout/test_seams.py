@@ -40,7 +40,7 @@ def test_samples_carry_their_rollout_id_and_group_id(tmp_path: Path) -> None:
     group.completions_sequences = [[TrainingSequence(input_ids=[1, 10 + i], loss_mask=[0, 1],
                                                      sampler_logprobs=[0.0, -0.5])] for i in range(3)]
     try:
-        queued = loop._score(group, [], position=40, rollout_ids=["r0", "r1", "r2"])
+        queued = loop.scheduler.score(group, [], position=40, rollout_ids=["r0", "r1", "r2"])
     finally:
         loop.executor.shutdown()
     assert [(s.rollout_id, s.group_id) for s in queued.samples] == [("r0", 5), ("r1", 5), ("r2", 5)]
@@ -48,19 +48,27 @@ def test_samples_carry_their_rollout_id_and_group_id(tmp_path: Path) -> None:
 
 
 class GroupRecordingLoop(AsyncRolloutLoop):
-    """Appends the ``group_id`` of every rollout to ``<output_dir>/groups.txt``."""
+    """Appends the ``group_id`` of every rollout to ``<record_dir>/groups.txt``."""
+
+    def __init__(self, *args: Any, record_dir: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_dir = Path(record_dir)
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
         """The default rollout, recorded."""
-        with open(Path(self.config.output_dir) / "groups.txt", "a") as f:
+        with open(self.record_dir / "groups.txt", "a") as f:
             f.write(f"{group_id}\n")
         return await super().generate_one(prompt, tools, group_id=group_id)
 
 
 class GroupRecordingTrainer(AsyncGRPOTrainer):
-    """Runs :class:`GroupRecordingLoop`."""
+    """Runs :class:`GroupRecordingLoop`, recording into the run's ``output_dir``."""
 
     loop_cls = GroupRecordingLoop
+
+    def rollout_loop_kwargs(self) -> dict[str, Any]:
+        """The folder the loop records into."""
+        return {"record_dir": self.args.output_dir}
 
 
 @pytest.mark.vllm

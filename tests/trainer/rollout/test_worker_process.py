@@ -5,7 +5,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.worker import RolloutWorker, WorkerChannels
+from trainer.vllm.server_info import ServerInfo
 
 
 class FloodingLoop:
@@ -14,7 +16,7 @@ class FloodingLoop:
     Module level: it must pickle into the spawned process.
     """
 
-    def __init__(self, channels: WorkerChannels, items: int) -> None:
+    def __init__(self, settings: RolloutSettings, channels: WorkerChannels, items: int) -> None:
         self.channels = channels
         self.items = items
 
@@ -31,7 +33,9 @@ class FloodingLoop:
 def test_stop_lets_a_worker_with_unread_queues_exit_by_itself() -> None:
     ctx = mp.get_context("spawn")
     channels = WorkerChannels.create(ctx, initial_allowance=0, initial_version=0)
-    worker = RolloutWorker(FloodingLoop, {"items": 64}, channels, timeout_s=60, ctx=ctx)
+    settings = RolloutSettings(model_name="unused", vllm_server_base_url="http://127.0.0.1:9",
+                               server=ServerInfo(model="unused", max_model_len=64))
+    worker = RolloutWorker(FloodingLoop, settings, {"items": 64}, channels, timeout_s=60, ctx=ctx)  # type: ignore[arg-type]
     worker.start()
     deadline = time.monotonic() + 60
     while channels.rollout_buffer.empty() and time.monotonic() < deadline:  # it has started sending

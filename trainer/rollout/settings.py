@@ -1,0 +1,132 @@
+"""``RolloutSettings``: everything the rollout worker knows of the run, fixed at start.
+
+The trainer builds one from its config and what it read from the vLLM server
+(:meth:`RolloutSettings.from_config`) and hands it to the worker process, which pickles it: the
+config itself (a whole ``TrainingArguments``) stays in the trainer. The same record drives rollouts
+outside training (:func:`trainer.rollout.evaluation.evaluate_policy`, the benchmarks), built from a
+running server with :meth:`RolloutSettings.from_server`; a field not given takes the default its
+:class:`~trainer.AsyncGRPOConfig` field declares.
+
+A ``loop_cls`` subclass that needs settings of its own gets them as constructor arguments, from
+:meth:`AsyncGRPOTrainer.rollout_loop_kwargs <trainer.AsyncGRPOTrainer.rollout_loop_kwargs>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from trainer.config import AsyncGRPOConfig
+from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.server_info import CandidatePath, ServerInfo, read_server_info
+
+__all__ = ["RolloutSettings", "declared_default"]
+
+
+def declared_default(config_cls: type[Any], name: str) -> Any:
+    """The default that field ``name`` of the config dataclass ``config_cls`` declares."""
+    declared = {f.name: f for f in dataclasses.fields(config_cls)}[name]
+    if declared.default_factory is not dataclasses.MISSING:
+        return declared.default_factory()
+    return declared.default
+
+
+def _default(name: str) -> Any:
+    return field(default=declared_default(AsyncGRPOConfig, name))
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the rollout worker needs: the server, the sampling settings and the loop's limits.
+
+    Fields named as an :class:`~trainer.AsyncGRPOConfig` field hold that field's value and default to
+    its default (see its help for the meaning).
+
+    Attributes:
+        model_name: The model the trainer trains (its id or directory); harness agents name it.
+        vllm_server_base_url: The vLLM server rollouts sample from.
+        server: What the trainer read from that server at start (name, ``max_model_len``, KV-cache size).
+        chat_template: The template rollouts render with instead of the tokenizer's own (the training
+            template chosen at start, :mod:`trainer.rollout.training_templates`); ``None``: the tokenizer's.
+        candidates: How each sampled token's top-k/top-p candidate set is read from the server
+            (:func:`trainer.vllm.server_info.candidate_path`); ``None``: not at all.
+        lora_name: With adapter-only LoRA sync, the prefix of the adapters' names: each request asks
+            for the adapter of the policy version its group started under; ``None``: the served model.
+        vllm_server_timeout: Seconds for each request (and the readiness wait).
+        seed: Seeds the per-request sampling seeds and the prompt order.
+        num_generations: Rollouts per prompt (the group size).
+        max_completion_length: Most tokens sampled per turn.
+        temperature: Sampling temperature.
+        top_p: Nucleus sampling mass.
+        top_k: Top-k truncation (0: none).
+        min_p: Minimum relative token probability (``None``: none).
+        num_sampler_logprobs: Top log-probs asked for per sampled token.
+        chat_template_kwargs: Extra keyword arguments of ``apply_chat_template``.
+        max_tool_calling_iterations: Most tool-calling turns per rollout (``None``: no limit).
+        max_concurrent_rollouts: Ceiling of rollouts in flight; also the tool thread pool's size.
+        max_staleness: Policy versions a group may lag before the trainer drops it (an adapter that
+            old is retired from the server).
+        reward_timeout: Seconds one reward function may take on one group (``None``: no limit).
+        mask_truncated_completions: Leave rollouts cut at ``max_completion_length`` out of training.
+    """
+
+    model_name: str
+    vllm_server_base_url: str
+    server: ServerInfo
+    chat_template: str | None = None
+    candidates: CandidatePath | None = None
+    lora_name: str | None = None
+    vllm_server_timeout: float = _default("vllm_server_timeout")
+    seed: int = _default("seed")
+    num_generations: int = _default("num_generations")
+    max_completion_length: int = _default("max_completion_length")
+    temperature: float = _default("temperature")
+    top_p: float = _default("top_p")
+    top_k: int = _default("top_k")
+    min_p: float | None = _default("min_p")
+    num_sampler_logprobs: int = _default("num_sampler_logprobs")
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_tool_calling_iterations: int | None = _default("max_tool_calling_iterations")
+    max_concurrent_rollouts: int = _default("max_concurrent_rollouts")
+    max_staleness: int = _default("max_staleness")
+    reward_timeout: float | None = _default("reward_timeout")
+    mask_truncated_completions: bool = _default("mask_truncated_completions")
+
+    @classmethod
+    def from_config(cls, config: AsyncGRPOConfig, model_name: str, server: ServerInfo, *,
+                    chat_template: str | None = None, candidates: CandidatePath | None = None,
+                    lora_name: str | None = None) -> RolloutSettings:
+        """The worker's settings of a training run: every field named as a config field is copied from it.
+
+        Args:
+            config: The trainer's config.
+            model_name: The trained model's id or directory.
+            server: The server's facts, read once at start.
+            chat_template: The training template chosen at start, if any.
+            candidates: The candidate-set path chosen at start.
+            lora_name: The adapters' name prefix under adapter-only LoRA sync.
+        """
+        # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
+        template_kwargs = dict(cast("dict[str, Any] | None", config.chat_template_kwargs) or {})
+        copied = {name: getattr(config, name) for name in _CONFIG_FIELDS if name != "chat_template_kwargs"}
+        return cls(model_name=model_name, server=server, chat_template=chat_template, candidates=candidates,
+                   lora_name=lora_name, chat_template_kwargs=template_kwargs, **copied)
+
+    @classmethod
+    def from_server(cls, base_url: str, model_name: str, **fields: Any) -> RolloutSettings:
+        """Settings for rollouts outside training: the server at ``base_url`` is read once
+        (:func:`~trainer.vllm.server_info.read_server_info`), ``fields`` set any other field.
+
+        Raises:
+            VLLMServerError: The server did not answer within ``vllm_server_timeout``.
+        """
+        timeout_s = float(fields.get("vllm_server_timeout", declared_default(AsyncGRPOConfig, "vllm_server_timeout")))
+        server = read_server_info(VLLMAdminClient(base_url, timeout_s=timeout_s))
+        return cls(model_name=model_name, vllm_server_base_url=base_url, server=server, **fields)
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutSettings)) & frozenset(
+    f.name for f in dataclasses.fields(AsyncGRPOConfig))
+"""The settings that are config fields of the same name and meaning."""
