@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -46,28 +43,25 @@ from counter_agent import MAX_TOOL_CALLING_ITERATIONS, counter_agent  # noqa: E4
 from sdk import remote_factory  # noqa: E402
 from toolgym.kit.counter_experiment import warm_model  # noqa: E402
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
-from trainer.harness_trainer import HarnessAsyncGRPOConfig  # noqa: E402
-from trainer.rollout.harness_loop import HarnessRolloutLoop  # noqa: E402
-from trainer.rollout.worker import WorkerChannels  # noqa: E402
+from trainer.rollout.harness_loop import HarnessRolloutLoop, HarnessSettings  # noqa: E402
+from trainer.rollout.settings import RolloutSettings  # noqa: E402
 
 
 class TimedHarnessLoop(TimedLoop, HarnessRolloutLoop):
     """The harness loop with the built-in arm's in-flight clock around every sampling request."""
 
 
-def one_arm(arm: str, base_url: str, model_dir: Path, env_url: str, concurrency: int, seconds: float,
-            output_dir: str) -> dict[str, float]:
+def one_arm(arm: str, base_url: str, model_dir: Path, env_url: str, concurrency: int,
+            seconds: float) -> dict[str, float]:
     """Measure one arm on fresh loop objects (the same servers)."""
-    config = HarnessAsyncGRPOConfig(
-        output_dir=output_dir, vllm_server_base_url=base_url, max_completion_length=48,
-        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS, max_concurrent_rollouts=concurrency,
-        agent_timeout=120, report_to="none", use_cpu=True)
+    settings = RolloutSettings.from_server(base_url, str(model_dir), max_completion_length=48,
+                                           max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
+                                           max_concurrent_rollouts=concurrency)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    kwargs: dict[str, Any] = dict(
-        config=config, model_name=str(model_dir), dataset=None, reward_funcs=[], processing_class=tokenizer,
-        eos_token_ids=[tokenizer.eos_token_id], channels=WorkerChannels.create(mp.get_context("spawn"), 0, 0),
-        environment_factory=remote_factory(env_url, "SlowCounterEnv"), max_model_len=1024)
-    loop = TimedHarnessLoop(agent=counter_agent, **kwargs) if arm == "harness" else TimedLoop(**kwargs)
+    factory = remote_factory(env_url, "SlowCounterEnv")
+    loop = (TimedHarnessLoop(settings, tokenizer, environment_factory=factory, agent=counter_agent,
+                             harness=HarnessSettings(agent_timeout=120))
+            if arm == "harness" else TimedLoop(settings, tokenizer, environment_factory=factory))
 
     async def run() -> dict[str, float]:
         await loop.setup()
@@ -96,12 +90,12 @@ def main() -> None:
     rows: list[tuple[str, dict[str, float]]] = []
     envserver = start_envserver(args.tool_ms)
     try:
-        with tempfile.TemporaryDirectory() as tmp, VLLMServer(VLLMServerConfig(
+        with VLLMServer(VLLMServerConfig(
                 model=str(model_dir), max_model_len=1024, kv_cache_gib=2, ready_timeout_s=1200)) as server:
             for _ in range(args.repeats):
                 for arm in ("built-in", "harness"):
                     rows.append((arm, one_arm(arm, server.base_url, model_dir, envserver.url, args.concurrency,
-                                              args.seconds, tmp)))
+                                              args.seconds)))
     finally:
         envserver.stop()
     print(f"{args.concurrency} rollouts in flight, tool latency {args.tool_ms} ms, {args.seconds:.0f} s per run")

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import multiprocessing as mp
 import os
 import pstats
 import shutil
@@ -62,11 +61,10 @@ from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.kit.warm_start import WarmStartConfig, warm_start
 from toolgym.launch.envserver import EnvServerProcess
 from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-from trainer.config import AsyncGRPOConfig
 from trainer.records import TurnRecord
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.worker import WorkerChannels
+from trainer.rollout.settings import RolloutSettings
 from trainer.vllm.client import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -110,7 +108,7 @@ class TimedLoop(AsyncRolloutLoop):
 
 
 async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str, float]:
-    loop.cap = AdaptiveCap(concurrency, None, loop.max_model_len)
+    loop.scheduler.cap = AdaptiveCap(concurrency, None, loop.settings.server.max_model_len)
     finished: list[tuple[int, int]] = []
     idle = polls = 0
     late_s = 0.0
@@ -118,7 +116,7 @@ async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str
 
     async def worker(i: int) -> None:
         while time.monotonic() < deadline:
-            _, rollout, _ = await loop._one_rollout({"target": 1 + i % 6}, i)
+            _, rollout, _ = await loop.scheduler.one_rollout({"target": 1 + i % 6}, i)
             finished.append((len(rollout.turns), rollout.tool_call_count))
 
     async def poll() -> None:
@@ -126,7 +124,7 @@ async def measure(loop: TimedLoop, concurrency: int, seconds: float) -> dict[str
         # Reads the one gauge it needs (parsing all of vLLM's /metrics takes ~10 ms of this loop).
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
-                async with session.get(f"{loop.config.vllm_server_base_url}/metrics") as r:
+                async with session.get(f"{loop.settings.vllm_server_base_url}/metrics") as r:
                     text = await r.text()
                 running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                            if line.startswith("vllm:num_requests_running")]
@@ -175,14 +173,11 @@ def main() -> None:
                 rows = []
                 modes = [False, True] if args.ab else [True]
                 for concurrency, incremental in [(c, m) for c in args.concurrency for m in modes]:
-                    config = AsyncGRPOConfig(output_dir=tmp, vllm_server_base_url=server.base_url,
-                                             max_completion_length=48, max_tool_calling_iterations=6,
-                                             max_concurrent_rollouts=concurrency, report_to="none", use_cpu=True)
-                    channels = WorkerChannels.create(mp.get_context("spawn"), 0, 0)
-                    loop = TimedLoop(
-                        config=config, model_name=str(model_dir), dataset=None, reward_funcs=[],
-                        processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], channels=channels,
-                        environment_factory=remote_factory(env_url, "SlowCounterEnv"), max_model_len=1024)
+                    settings = RolloutSettings.from_server(
+                        server.base_url, str(model_dir), max_completion_length=48, max_tool_calling_iterations=6,
+                        max_concurrent_rollouts=concurrency)
+                    loop = TimedLoop(settings, tokenizer,
+                                     environment_factory=remote_factory(env_url, "SlowCounterEnv"))
                     if not incremental:
                         loop._incremental_render = False
 

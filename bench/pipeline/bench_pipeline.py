@@ -48,11 +48,10 @@ from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
+from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
-from trainer.vllm.admin import VLLMAdminClient
 from trainer.vllm.client import SamplerClient, SamplingParams
 from trainer.vllm.prometheus import parse_prometheus, server_load
-from trainer.vllm.server_info import read_server_info
 
 MAX_TOKENS = 64
 
@@ -179,18 +178,16 @@ async def raw_tokens_per_s(base_url: str, prompt_ids: list[list[int]], concurren
                       _frac(marks["delay0"], marks["delay1"], seconds), marks["load"], retries=client.retry_count)
 
 
-def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any, warmup: float,
-                        seconds: float, watch: ServerWatch, limits: tuple[int, int | None]) -> Window:
+def worker_tokens_per_s(settings: RolloutSettings, tokenizer: Any, warmup: float, seconds: float,
+                        watch: ServerWatch) -> Window:
     """Run the real worker process with an instant consumer; completion tokens queued per second in
     the window ``[warmup, warmup + seconds]`` after its first group arrived (the first group runs
-    alone: the worker knows no group size before it, SPEC §2). ``limits``: the server's
-    ``max_model_len`` and KV-cache tokens, given to the worker as the trainer does (adaptive cap)."""
+    alone: the worker knows no group size before it, docs/pipeline.md). ``settings`` carry the
+    server's ``max_model_len`` and KV-cache tokens, as the trainer's do (the adaptive cap)."""
     ctx = spawn_context()
     channels = WorkerChannels.create(ctx, initial_allowance=10**12, initial_version=0)
-    kwargs = dict(config=config, model_name=str(model_dir), dataset=prompts(), reward_funcs=[spread_reward],
-                  processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_model_len=limits[0],
-                  kv_cache_tokens=limits[1])
-    worker = RolloutWorker(AsyncRolloutLoop, kwargs, channels, timeout_s=120, ctx=ctx)
+    kwargs = dict(processing_class=tokenizer, dataset=prompts(), reward_funcs=[spread_reward])
+    worker = RolloutWorker(AsyncRolloutLoop, settings, kwargs, channels, timeout_s=120, ctx=ctx)
     worker.start()
     try:
         first = worker.get(timeout_s=120)  # wait for the worker to be up and producing
@@ -221,12 +218,6 @@ def worker_tokens_per_s(config: AsyncGRPOConfig, model_dir: Path, tokenizer: Any
                       watch.mean_running(*window), delay, os.getloadavg()[0], caps, retries)
     finally:
         worker.stop()
-
-
-def server_limits(base_url: str) -> tuple[int, int | None]:
-    """The server's ``max_model_len`` and KV-cache capacity in tokens (as the trainer reads them)."""
-    info = read_server_info(VLLMAdminClient(base_url, timeout_s=30))
-    return info.max_model_len, info.kv_cache_tokens
 
 
 def idle_fraction(server: VLLMServer, model_dir: Path, out: str, steps: int, max_staleness: int) -> tuple[float, float]:
@@ -261,18 +252,15 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         with VLLMServer(VLLMServerConfig(model=str(model_dir), max_model_len=1024)) as server:
             prompt_ids = [render_prompt_ids(tokenizer, row["prompt"]) for row in prompts(9)]
-            config = AsyncGRPOConfig(
-                output_dir=str(Path(tmp) / "w"), vllm_server_base_url=server.base_url, num_generations=8,
-                max_completion_length=MAX_TOKENS, max_concurrent_rollouts=args.concurrency, report_to="none",
-                use_cpu=True)
-            limits = server_limits(server.base_url)
+            settings = RolloutSettings.from_server(server.base_url, str(model_dir), num_generations=8,
+                                                   max_completion_length=MAX_TOKENS,
+                                                   max_concurrent_rollouts=args.concurrency)
             raws, workers, fed = [], [], []
             with ServerWatch(server.base_url) as watch:
                 for i in range(args.rounds):
                     raw_window = asyncio.run(raw_tokens_per_s(server.base_url, prompt_ids, args.concurrency,
                                                               args.warmup, args.seconds, watch))
-                    worker_window = worker_tokens_per_s(config, model_dir, tokenizer, args.warmup, args.seconds,
-                                                        watch, limits)
+                    worker_window = worker_tokens_per_s(settings, tokenizer, args.warmup, args.seconds, watch)
                     raws.append(raw_window.tokens_per_s)
                     workers.append(worker_window.tokens_per_s)
                     fed.append(worker_window.server_running / raw_window.server_running)

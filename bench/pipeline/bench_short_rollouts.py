@@ -7,7 +7,7 @@ adaptive concurrency cap up to 512 rollouts), 24-token completions. Each pipelin
 ``--steps`` steps from the same warm weights against the same server; the settings alternate for
 ``--rounds`` rounds so that the machine's drifting load hits each of them. Compared:
 
-* ``source``: the source's pipeline (``staleness_allowance="source"``: the allowance is
+* ``trl``: TRL AsyncGRPOTrainer's pipeline (``staleness_allowance="consumed"``: the allowance is
   ``max_staleness`` steps of tokens, counted when the trainer takes a group off the queue;
   ``weight_sync_pause="reset"``: ``/pause?mode=keep`` clearing the KV cache, which preempts every
   running request);
@@ -16,7 +16,7 @@ adaptive concurrency cap up to 512 rollouts), 24-token completions. Each pipelin
 * ``default``: this project's defaults (see ``docs/pipeline.md``: the sync is one engine call,
   with no pause);
 * ``cap64``: the defaults with ``max_concurrent_rollouts=64``: fewer requests in flight when a
-  sync comes (``--settings source,keep,default,cap64``).
+  sync comes (``--settings trl,keep,default,cap64``).
 
 Printed per run and as medians per setting, from the trainer's logs, after the first
 ``--skip`` steps (start-up): stale drops / samples that reached the trainer, sum of
@@ -29,7 +29,7 @@ flight, vLLM preemptions, and the machine's 1-minute load average at the run's e
 Command (repository root, after ``make setup``)::
 
     .venv/bin/python bench/pipeline/bench_short_rollouts.py [--steps 30] [--rounds 1] \\
-        [--settings source,keep,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
+        [--settings trl,keep,default,cap64] [--token-budget 256] [--torch-threads 1] [--model DIR]
 
 ``--token-budget 256`` makes a step take fewer samples than the server generates meanwhile (the
 regime where the queue fills to the allowance, as in issue 20); the figures measured with it are
@@ -54,7 +54,7 @@ from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
 COMPLETION_TOKENS = 24
 SETTINGS: dict[str, dict[str, Any]] = {
-    "source": {"staleness_allowance": "source", "weight_sync_pause": "reset"},
+    "trl": {"staleness_allowance": "consumed", "weight_sync_pause": "reset"},
     "keep": {"weight_sync_pause": "keep"},
     "default": {},
     "cap64": {"max_concurrent_rollouts": 64},
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=3, help="start-up steps left out of the figures")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--settings", default="source,default")
+    parser.add_argument("--settings", default="trl,default")
     parser.add_argument("--token-budget", type=int, default=None,
                         help="forwarded tokens per row (the step's size); default: the server's max_model_len")
     parser.add_argument("--torch-threads", type=int, default=0,
