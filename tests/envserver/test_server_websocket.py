@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import tracemalloc
 
 import pytest
 import websockets
 
-from tests.envserver.servers import health, make_server, request, ws_url
+from tests.envserver.servers import health, http_get, make_server, request, ws_url
 from tests.envserver.wire import RawSocket, call, frame_bytes, open_session
 
 
@@ -112,3 +114,68 @@ def test_a_request_before_a_bad_frame_is_answered_before_the_close(small):
     assert (opcode, json.loads(payload)) == (0x1, {"id": 1, "ok": True, "result": "5"})  # once: lost to the close
     assert raw.close_code() == 1002
     raw.close()
+
+
+def bare_frames(first: int, payload: bytes, count: int) -> bytes:
+    """``count`` copies of one small client frame, masked with the zero key (cheap to build by the million)."""
+    return (bytes((first, 0x80 | len(payload))) + b"\0\0\0\0" + payload) * count
+
+
+def test_two_byte_fragments_by_the_ten_thousand_cost_their_payload_not_more(server):
+    # Before: each fragment was kept as an object of its own (~60 bytes for two of payload): 2 million
+    # of them held +140 MiB for 3.8 MiB of payload.
+    text = json.dumps({"id": 1, "op": "ping"}).encode().ljust(40_000)  # JSON allows the padding
+    fragments = b"".join(bytes((0x00, 0x82)) + b"\0\0\0\0" + text[i:i + 2] for i in range(2, len(text) - 2, 2))
+    raw = open_session(server)
+    raw.sock.settimeout(60)  # tracemalloc slows the server several times over
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        raw.send_frame(0x1, text[:2], fin=False)
+        raw.sock.sendall(fragments)
+        raw.send_frame(0x9, b"all read")  # answered once every fragment before it is parsed
+        assert raw.recv_frame() == (0xA, b"all read")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    raw.send_frame(0x0, text[-2:])
+    assert json.loads(raw.recv_frame()[1]) == {"id": 1, "ok": True, "result": "pong"}
+    assert call(raw, 2, "close")["ok"] is True
+    raw.close()
+    assert held < 400_000  # the 40 kB of payload and change (before: 1.2 MB)
+
+
+def test_a_message_after_a_fragmented_one_is_not_counted_with_it(small):
+    raw = open_session(small)  # hard limit 16 KiB
+    request = json.dumps({"id": 1, "op": "ping"}).encode().ljust(12_000)
+    raw.send_frame(0x1, request[:6000], fin=False)
+    raw.send_frame(0x0, request[6000:])
+    assert json.loads(raw.recv_frame()[1])["error"]["code"] == "frame_too_large"  # above max_frame_bytes
+    raw.send_frame(0x1, json.dumps({"id": 2, "op": "ping"}).encode().ljust(8_000))  # once: 8,000 + 12,000: 1009
+    assert json.loads(raw.recv_frame()[1])["error"]["code"] == "frame_too_large"
+    assert call(raw, 3, "ping")["result"] == "pong"
+    assert call(raw, 4, "close")["ok"] is True
+    raw.close()
+
+
+def test_a_flood_of_tiny_frames_does_not_hold_up_other_connections(server):
+    # Before: the server handled a whole read of them (40,000 frames, ~80 ms) in each loop turn, and a
+    # /health takes a few dozen turns: 2 million unsolicited pongs held /health back 2.3 s.
+    raw = open_session(server)
+    end: list[tuple[int, bytes]] = []
+
+    def flood() -> None:
+        raw.sock.sendall(bare_frames(0x8A, b"", 1_000_000))
+        raw.send_frame(0x9, b"end of flood")
+        end.append(raw.recv_frame())  # the pong comes once the whole flood is handled
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    answered = 0
+    while thread.is_alive():
+        assert http_get(server.url + "/health")[0] == 200
+        answered += 1
+    assert end == [(0xA, b"end of flood")]
+    assert call(raw, 1, "close")["ok"] is True
+    raw.close()
+    assert answered >= 3  # before: 0 or 1 while the flood lasted
