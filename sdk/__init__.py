@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sdk.environment import RESERVED_NAMES, Environment
     from sdk.exceptions import (
         AuthenticationError,
+        EnvironmentArgumentsError,
         EnvironmentCheckError,
         InvalidArgumentsError,
         MissingDocstringError,
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     )
     from sdk.factory import RemoteFactory, remote_factory
     from sdk.gym import GymnasiumEnvironment, ToolEnv, register_environment
-    from sdk.loading import load_target, register_name, registered_names
+    from sdk.loading import load_target, parse_env_kwargs, register_name, registered_names, with_arguments
     from sdk.protocol import PROTOCOL_VERSION
     from sdk.remote import RemoteEnvironment
     from sdk.sync import SyncRemoteEnvironment
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "Environment",
+    "EnvironmentArgumentsError",
     "EnvironmentCheckError",
     "GymnasiumEnvironment",
     "InvalidArgumentsError",
@@ -85,11 +87,13 @@ __all__ = [
     "check_env",
     "environment_tools",
     "load_target",
+    "parse_env_kwargs",
     "register_environment",
     "register_name",
     "registered_names",
     "remote_factory",
     "tool_from_function",
+    "with_arguments",
 ]
 
 _LAZY = {
@@ -105,6 +109,7 @@ _LAZY = {
     "RemoteEnvironment": "sdk.remote",
     "RemoteError": "sdk.exceptions",
     "RemoteFactory": "sdk.factory",
+    "EnvironmentArgumentsError": "sdk.exceptions",
     "SDKError": "sdk.exceptions",
     "ServerDrainingError": "sdk.exceptions",
     "ServerFullError": "sdk.exceptions",
@@ -125,9 +130,11 @@ _LAZY = {
     "check_env": "sdk.checker",
     "environment_tools": "sdk.tools",
     "load_target": "sdk.loading",
+    "parse_env_kwargs": "sdk.loading",
     "register_environment": "sdk.gym",
     "register_name": "sdk.loading",
     "registered_names": "sdk.loading",
+    "with_arguments": "sdk.loading",
     "remote_factory": "sdk.factory",
     "tool_from_function": "sdk.tools",
 }
