@@ -7,6 +7,7 @@ Each subcommand lives in the package that owns it and is imported only when chos
     toolgym vllm MODEL [--port P] [-- FLAGS]   start a vLLM server with the trainer's flags
     toolgym serve MODULE:Class [...]           host environments on the env server
     toolgym train [--config C.yaml] [--field v] run asynchronous GRPO training
+    toolgym eval --model M --environment E     evaluate: success with intervals, pass@k, results files
     toolgym init NAME                          a new environment project (test, serve, train)
     toolgym demo                               the main job: build, serve, train, report
 """
@@ -24,6 +25,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "vllm": ("toolgym.launch.vllm_server", "main", "start a vLLM server with the flags the trainer needs"),
     "serve": ("envserver.cli", "main", "host environment classes on the env server"),
     "train": ("toolgym.cli.train", "main", "run asynchronous GRPO training from a config"),
+    "eval": ("toolgym.cli.eval", "main", "evaluate a model on an environment or dataset: intervals, pass@k, files"),
     "demo": ("toolgym.cli.demo", "main", "the main job: tiny model, vLLM, env server, training"),
     "init": ("toolgym.cli.init", "main", "create a new environment project: test, serve, train"),
 }
@@ -31,7 +33,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 
 # Commands that start child servers: SIGTERM must unwind their ``with`` blocks so the servers stop.
 # ``serve`` is left alone: uvicorn handles SIGTERM itself (graceful drain).
-_UNWIND_ON_SIGTERM = {"tiny-model", "vllm", "train", "demo"}
+_UNWIND_ON_SIGTERM = {"tiny-model", "vllm", "train", "eval", "demo"}
 
 
 def exit_on_sigterm() -> None:

@@ -3,8 +3,8 @@
 
 ``toolgym demo`` (:mod:`toolgym.cli.demo`), the end-to-end tests (``tests/e2e``) and the benchmarks
 (``bench/e2e``) all run this one experiment through these building blocks: :func:`warm_model`,
-:func:`counter_config`, :func:`evaluate_counter`, :func:`serve_policy`, :func:`counter_trainer`,
-:func:`learning_run`.
+:func:`counter_config`, :func:`evaluate_counter` (or ``toolgym eval`` with :func:`counter_eval_argv`),
+:func:`serve_policy`, :func:`counter_trainer`, :func:`learning_run`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from trainer.rollout.settings import RolloutSettings
 
 TARGETS = (1, 2, 3, 4, 5, 6)
 EVAL_EPISODES_PER_TARGET = 96
+EVAL_SETTINGS = {"max_completion_length": 48, "max_tool_calling_iterations": 8, "max_concurrent_rollouts": 32}
+"""The evaluations' rollout settings (the training run's lengths), in :func:`evaluate_counter` and
+:func:`counter_eval_argv` alike."""
 WARM_START_STEPS = 400
 
 
@@ -86,13 +89,39 @@ def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int 
     return AsyncGRPOConfig(**fields)
 
 
+def counter_eval_rows() -> Any:
+    """The evaluation rows: one per target of :data:`TARGETS` (a ``datasets.Dataset``; ``toolgym eval --dataset
+    toolgym.kit.counter_experiment:counter_eval_rows``)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"target": list(TARGETS)})
+
+
 def evaluate_counter(base_url: str, model_dir: str | Path, environment_factory: Any,
                      episodes_per_target: int = EVAL_EPISODES_PER_TARGET) -> PolicyEval:
-    """Success on fresh counter episodes (every target of :data:`TARGETS`) of the served policy."""
-    rows = [{"target": t} for t in TARGETS]
-    settings = RolloutSettings.from_server(base_url, str(model_dir), max_completion_length=48,
-                                           max_tool_calling_iterations=8)
-    return evaluate_policy(settings, environment_factory, rows, samples_per_row=episodes_per_target)
+    """Success on fresh counter episodes (every target of :data:`TARGETS`) of the served policy; its
+    ``run`` has every episode and the per-target summary."""
+    settings = RolloutSettings.from_server(base_url, str(model_dir), **EVAL_SETTINGS)
+    return evaluate_policy(settings, environment_factory, [dict(row) for row in counter_eval_rows()],
+                           samples_per_row=episodes_per_target, concurrency=EVAL_SETTINGS["max_concurrent_rollouts"],
+                           group_by="target")
+
+
+def counter_eval_argv(base_url: str, model_dir: str | Path, environment: str, output_dir: str | Path,
+                      episodes_per_target: int = EVAL_EPISODES_PER_TARGET) -> list[str]:
+    """The ``toolgym eval`` flags of :func:`evaluate_counter`'s evaluation, its files written to ``output_dir``.
+
+    Args:
+        base_url: The vLLM server serving the policy.
+        model_dir: The served model (its tokenizer).
+        environment: The counter environment: ``counter``, or its env server URL (``http://host:port/IncrementEnv``).
+        output_dir: Where ``results.jsonl`` and ``summary.json`` go.
+        episodes_per_target: Episodes per target.
+    """
+    settings = [f"--{name}={value}" for name, value in EVAL_SETTINGS.items()]
+    return ["--vllm_server_base_url", base_url, "--model", str(model_dir), "--environment", environment,
+            "--dataset", f"{__name__}:counter_eval_rows", "--group_by", "target",
+            "--num_generations", str(episodes_per_target), "--output_dir", str(output_dir), *settings]
 
 
 def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,

@@ -158,29 +158,30 @@ class EvalSummary:
         return cls(**values)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """Flat ``{prefix}/name`` values to log (``eval/success_rate``, ``eval/pass@4``...); tasks as
-        ``{prefix}/task/<task>/success_rate`` and ``.../mean_reward``."""
-        out = {
-            f"{prefix}/episodes": float(self.episodes),
-            f"{prefix}/failed_episodes": float(self.failed_episodes),
-            f"{prefix}/success_rate": self.success_rate.value,
-            f"{prefix}/success_rate_low": self.success_rate.low,
-            f"{prefix}/success_rate_high": self.success_rate.high,
-            f"{prefix}/mean_reward": self.mean_reward.value,
-            f"{prefix}/mean_reward_low": self.mean_reward.low,
-            f"{prefix}/mean_reward_high": self.mean_reward.high,
-            f"{prefix}/tool_calls_per_episode": self.tool_calls_per_episode,
-            f"{prefix}/failed_tool_call_frac": self.failed_tool_call_frac,
-            f"{prefix}/malformed_per_episode": self.malformed_per_episode,
-            f"{prefix}/mean_turns": self.mean_turns,
-            f"{prefix}/mean_completion_tokens": self.mean_completion_tokens,
-            f"{prefix}/truncated_frac": self.truncated_frac,
+        """Flat values to log, named as ``transformers`` names evaluation metrics: ``eval_success_rate``,
+        ``eval_pass@4``, ``eval_task/<task>/success_rate`` (``report_to`` shows them as ``eval/...``;
+        ``metric_for_best_model="success_rate"`` picks one)."""
+        values = {
+            "episodes": float(self.episodes),
+            "failed_episodes": float(self.failed_episodes),
+            "success_rate": self.success_rate.value,
+            "success_rate_low": self.success_rate.low,
+            "success_rate_high": self.success_rate.high,
+            "mean_reward": self.mean_reward.value,
+            "mean_reward_low": self.mean_reward.low,
+            "mean_reward_high": self.mean_reward.high,
+            "tool_calls_per_episode": self.tool_calls_per_episode,
+            "failed_tool_call_frac": self.failed_tool_call_frac,
+            "malformed_per_episode": self.malformed_per_episode,
+            "mean_turns": self.mean_turns,
+            "mean_completion_tokens": self.mean_completion_tokens,
+            "truncated_frac": self.truncated_frac,
         }
-        out.update({f"{prefix}/pass@{k}": v for k, v in self.pass_at_k.items()})
+        values.update({f"pass@{k}": v for k, v in self.pass_at_k.items()})
         for name, task in self.tasks.items():
-            out[f"{prefix}/task/{name}/success_rate"] = task.success_rate.value
-            out[f"{prefix}/task/{name}/mean_reward"] = task.mean_reward.value
-        return out
+            values[f"task/{name}/success_rate"] = task.success_rate.value
+            values[f"task/{name}/mean_reward"] = task.mean_reward.value
+        return {f"{prefix}_{name}": value for name, value in values.items()}
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -47,12 +47,12 @@ def test_tasks_sort_numerically() -> None:
     assert list(summarize(episodes).tasks) == ["target=1", "target=2", "target=10"]
 
 
-def test_metrics_are_flat_eval_names() -> None:
+def test_metrics_are_named_as_transformers_names_evaluation_metrics() -> None:
     metrics = summarize(_episodes({1: [True, False]})).metrics()
-    assert metrics["eval/success_rate"] == 0.5
-    assert metrics["eval/pass@2"] == 1.0
-    assert metrics["eval/task/target=1/success_rate"] == 0.5
-    assert metrics["eval/success_rate_low"] < 0.5 < metrics["eval/success_rate_high"]
+    assert metrics["eval_success_rate"] == 0.5
+    assert metrics["eval_pass@2"] == 1.0
+    assert metrics["eval_task/target=1/success_rate"] == 0.5
+    assert metrics["eval_success_rate_low"] < 0.5 < metrics["eval_success_rate_high"]
 
 
 def test_files_hold_one_line_per_episode_and_the_summary(tmp_path: Path) -> None:
