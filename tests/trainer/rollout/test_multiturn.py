@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from environments.counter import IncrementEnv
 from envserver import EnvSpec, ServerConfig, ServerThread
@@ -122,10 +122,12 @@ def thinking_warm_server(vllm_server: VLLMServer, thinking_warm_model_dir: Path,
     yield _serve(vllm_server, thinking_warm_model_dir, restore_served_weights)
 
 
-def _loop(server: VLLMServer, model_dir: Path, tmp_path: Path, **kwargs: Any) -> AsyncRolloutLoop:
-    settings = RolloutSettings.from_server(server.base_url, str(model_dir), max_completion_length=48,
-                                           max_tool_calling_iterations=6)
-    return AsyncRolloutLoop(settings, AutoTokenizer.from_pretrained(model_dir), **kwargs)
+def _loop(server: VLLMServer, model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase | None = None,
+          settings: dict[str, Any] | None = None, **kwargs: Any) -> AsyncRolloutLoop:
+    """A loop on ``server`` (``settings``: RolloutSettings fields; ``kwargs``: the loop's other arguments)."""
+    fields = {"max_completion_length": 48, "max_tool_calling_iterations": 6, **(settings or {})}
+    return AsyncRolloutLoop(RolloutSettings.from_server(server.base_url, str(model_dir), **fields),
+                            tokenizer or AutoTokenizer.from_pretrained(model_dir), **kwargs)
 
 
 def _rollouts(loop: AsyncRolloutLoop, rows: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], Rollout, Any]]:
@@ -263,13 +265,13 @@ def test_training_template_keeps_a_reasoning_family_rollout_in_one_sample(
     kw = {"enable_thinking": False}
     outcomes = {}
     for name in ("stock", "training"):
-        loop = _loop(thinking_warm_server, thinking_warm_model_dir, tmp_path, environment_factory=IncrementEnv)
-        loop.tokenizer.chat_template = QWEN3_STYLE_STOCK
-        loop.chat_template_kwargs = kw
+        tokenizer = AutoTokenizer.from_pretrained(thinking_warm_model_dir)
+        tokenizer.chat_template = QWEN3_STYLE_STOCK
         schemas = [t.schema for t in environment_tools(IncrementEnv())]
-        if name == "training":
-            loop.chat_template = rollout_chat_template(loop.tokenizer, schemas, **kw)
-            assert loop.chat_template is not None
+        template = rollout_chat_template(tokenizer, schemas, **kw) if name == "training" else None
+        assert (template is not None) == (name == "training")
+        loop = _loop(thinking_warm_server, thinking_warm_model_dir, tmp_path, tokenizer,
+                     {"chat_template": template, "chat_template_kwargs": kw}, environment_factory=IncrementEnv)
         results = _rollouts(loop, [{"target": t} for t in (2, 3, 4, 5)])
         rollout, _ = _pick_tool_rollout(results)
         prompt = next(p for p, r, _ in results if r is rollout)
@@ -277,7 +279,7 @@ def test_training_template_keeps_a_reasoning_family_rollout_in_one_sample(
                             if m["role"] == "assistant"]
         for turn, messages in zip(rollout.turns, before_each_turn, strict=True):
             # The incremental renderer gave exactly the ids of a full render.
-            assert turn.prompt_ids == render_prompt_ids(loop.tokenizer, messages, schemas, loop.chat_template, **kw)
+            assert turn.prompt_ids == render_prompt_ids(tokenizer, messages, schemas, template, **kw)
         outcomes[name] = reconcile_turns(rollout.turns)[1]
     assert outcomes["stock"].forks == outcomes["stock"].transitions > 0
     assert outcomes["training"].forks == 0 and outcomes["training"].transitions > 0
