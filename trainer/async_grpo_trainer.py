@@ -36,7 +36,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from trainer.checkpoint import ROLLOUT_STATE, StagedCheckpoints
 from trainer.config import AsyncGRPOConfig
 from trainer.construction_checks import check_construction, check_output_head
-from trainer.exceptions import ConfigError
+from trainer.exceptions import ConfigError, PipelineStalledError
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
@@ -65,6 +65,7 @@ from trainer.training.loss import (
 from trainer.training.model_loading import freeze_outside_language_model, load_model
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.row_forward import forwarded_positions
+from trainer.training.stall import StallReport, StallWatch
 from trainer.training.step_guard import StepGuard
 from trainer.training.tree_attention import enable_tree_attention
 from trainer.vllm.admin import VLLMAdminClient
@@ -333,9 +334,33 @@ class AsyncGRPOTrainer(Trainer):
         except BaseException as exc:
             if self.feed is not None and self.is_world_process_zero():
                 self.feed.fail(exc)  # the other ranks re-raise it instead of waiting for data
+            if isinstance(exc, PipelineStalledError):
+                self._save_after_stall()
             raise
         finally:
             self._shutdown()
+
+    def _report_stall(self, report: StallReport) -> None:
+        """A stall warning: on the console, as ``pipeline/*`` metrics (``report_to``) and in the progress table."""
+        logger.warning(report.message())
+        super().log(report.metrics())  # the base log: this trainer's own would flush the step's metric window
+
+    def _save_after_stall(self) -> None:
+        """Keep what was trained before a stall stops the run, whatever ``save_strategy`` says.
+
+        Single process only: under several, the other ranks are already leaving through the step feed and
+        a sharded save needs them all (the last periodic checkpoint stands).
+        """
+        if self.accelerator.num_processes > 1 or self.stream is None:
+            return
+        folder = Path(super()._get_output_dir(None)) / f"checkpoint-{self.state.global_step}"
+        if folder.exists():
+            return  # this step was saved already
+        try:
+            self._save_checkpoint(self.model, None)
+            logger.warning("the run stalled: saved %s before stopping", folder)
+        except Exception:  # the stall is the error to report; a failed save only adds to it
+            logger.exception("the run stalled, and saving a checkpoint before stopping failed")
 
     def _shutdown(self) -> None:
         self._policy_sync.stop_overlapped()
@@ -410,7 +435,8 @@ class AsyncGRPOTrainer(Trainer):
         self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
                                        start_position=start, stop_position=stop, keep_samples=args.log_completions,
                                        done_positions=done, stop_epochs=stop_epochs,
-                                       share_prefixes=args.packing == "tree")
+                                       share_prefixes=args.packing == "tree",
+                                       stall=StallWatch(args.stall_timeout, self._report_stall))
         self.stream.policy_version = version
         if self.feed is not None:
             self.feed.mark_ready()

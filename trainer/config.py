@@ -245,6 +245,14 @@ class AsyncGRPOConfig(TrainingArguments):
     rollout_worker_timeout: float = field(
         default=300.0, metadata={"help": "Seconds without a worker heartbeat before it is declared hung."}
     )
+    stall_timeout: float = field(
+        default=900.0,
+        metadata={"help": "Seconds the training loop may wait without a trainable sample (every group dropped for "
+                  "zero reward spread or unscorable rewards, every rollout failing, every sample stale...). A "
+                  "warning with the reasons and counts comes after a tenth of it (5-60 s) and again at each such "
+                  "interval; past it the run saves a checkpoint (single process) and stops with "
+                  "PipelineStalledError. Time spent training does not count (docs/pipeline.md, 'Stalls')."},
+    )
     reward_timeout: float | None = field(
         default=300.0,
         metadata={"help": "Seconds one reward function may take on one group (sync ones run in threads, "
@@ -346,6 +354,9 @@ class AsyncGRPOConfig(TrainingArguments):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if not self.stall_timeout > 0:
+            raise ConfigError(f"stall_timeout={self.stall_timeout} must be > 0 seconds: a run that trains nothing "
+                              "must stop some time (raise it for very long rollouts)")
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ConfigError(f"reward_timeout={self.reward_timeout} must be > 0 (or None for no limit)")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:

@@ -7,6 +7,7 @@
         │   └── WeightSyncError        a weight update was refused or failed (fatal: the server's
         │                              weights are in an unknown state)
         ├── RolloutWorkerError         the rollout worker crashed, hung or stopped (carries its traceback)
+        │   └── PipelineStalledError   nothing trainable reached the trainer for stall_timeout seconds
         ├── RankZeroLostError          rank 0 stopped feeding another rank (multi-process training)
         ├── NonFiniteTrainingError     step after step had non-finite gradients (none was applied)
         ├── UnsupportedModelError (TypeError)   the model has layers tree packing cannot run (yet)
@@ -54,6 +55,11 @@ class WeightSyncError(VLLMServerError):
 
 class RolloutWorkerError(TrainerError):
     """The rollout worker process failed; the message carries the worker's traceback."""
+
+
+class PipelineStalledError(RolloutWorkerError):
+    """Nothing trainable reached the trainer for ``stall_timeout`` seconds of waiting, or cannot ever (every
+    rollout failing, ``filter_prompt`` rejecting a whole epoch); the message says what was dropped and why."""
 
 
 class RankZeroLostError(TrainerError):

@@ -193,6 +193,17 @@ class TrainingSample:
         return len(self.sequence.input_ids)
 
 
+DROP_REASONS: dict[str, str] = {
+    "zero_spread": "for zero reward spread (every rollout scored the same: a constant reward, or a model that "
+                   "never calls the tools)",
+    "unscorable": "unscorable (fewer than two rollouts scored: every reward source returned None, nan or inf)",
+    "failed": "with every rollout failed",
+    "filtered": "filtered out by filter_prompt",
+    "other": "for another reason (every sample masked as truncated, or past the epoch's end)",
+}
+"""Why a group reaches the trainer without samples (``QueuedGroup.dropped``), in words."""
+
+
 @dataclass
 class QueuedGroup:
     """One prompt's outcome, as the trainer receives it.
@@ -215,6 +226,7 @@ class QueuedGroup:
     tokens: int = 0
     policy_version: int = 0
     records: list[Any] = field(default_factory=list)
+    dropped: str = ""  # why it has no samples: a key of DROP_REASONS ("" when it has some)
 
 
 class GroupSource(Protocol):

@@ -49,6 +49,14 @@ class ProgressCallback(TrainerCallback):
         self._header_done = False
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if logs and "pipeline/stalled_s" in logs and state.is_world_process_zero:
+            dropped = ", ".join(f"{int(v)} {k.removeprefix('pipeline/dropped_').removesuffix('_count')}"
+                                for k, v in logs.items() if k.startswith("pipeline/dropped_") and v)
+            self.console.print(f"[yellow]{'stalled':>8} {logs['pipeline/stalled_s']:.0f} s without a trainable "
+                               f"sample; dropped since: {dropped or 'nothing yet'}; stale: "
+                               f"{int(logs.get('pipeline/stale_dropped_count', 0))}[/yellow]")
+            return
+            return
         if not logs or "loss" not in logs or not state.is_world_process_zero:
             return
         row = {**logs, "step": state.global_step}

@@ -27,6 +27,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "pipeline and sync": (
         "vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts", "max_staleness",
         "staleness_allowance", "weight_sync_steps", "weight_sync_pause", "rollout_worker_timeout",
+        "stall_timeout",
     ),
     "training step": (
         "packing", "token_budget", "gradient_accumulation_steps", "bf16", "gradient_checkpointing",

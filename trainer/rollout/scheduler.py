@@ -27,11 +27,11 @@ import numpy as np
 
 from sdk.exceptions import ServerDrainingError, ServerUnavailableError, SessionLostError, ToolgymError
 from sdk.tools import environment_tools
-from trainer.exceptions import RolloutFailed, RolloutWorkerError, TrainerError
+from trainer.exceptions import PipelineStalledError, RolloutFailed, TrainerError
 from trainer.records import QueuedGroup, Rollout, RolloutGroup, TrainingSample
 from trainer.rollout.concurrency import AdaptiveCap, TokenAllowance
 from trainer.rollout.env_pool import environment_reward, reset_environment
-from trainer.rollout.prompt_order import PromptRow, is_stream, map_style_rows, stream_rows
+from trainer.rollout.prompt_order import PromptRow, check_prompt, is_stream, map_style_rows, stream_rows
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.scoring import is_degenerate, reward_func_name, sum_rewards
 from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
@@ -149,13 +149,15 @@ class GroupScheduler:
         for position, row_index, row, epoch in self._prompt_stream(channels):
             if position in loop.skip_positions:
                 continue  # trained before the checkpoint this run resumed from
+            if "prompt" in row:  # a map-style dataset was checked whole at start; a stream's rows are here
+                check_prompt(row["prompt"], f"train_dataset row {row_index}")
             if not loop.filter_prompt(row_index, row, epoch):
                 rejected_in_a_row += 1
                 size = channels.epoch_size.value  # known at start, or after a stream's first pass
                 if size > 0 and rejected_in_a_row >= size:
-                    raise RolloutWorkerError("filter_prompt rejected every prompt of a whole epoch: "
-                                             "no batch can ever reach the trainer")
-                loop.telemetry.put_group(QueuedGroup(position, row_index))
+                    raise PipelineStalledError("filter_prompt rejected every prompt of a whole epoch: "
+                                               "no batch can ever reach the trainer")
+                loop.telemetry.put_group(QueuedGroup(position, row_index, dropped="filtered"))
                 continue
             rejected_in_a_row = 0
             t0 = time.monotonic()
@@ -188,7 +190,7 @@ class GroupScheduler:
         ok = [r for r in results if isinstance(r, tuple)]
         if not ok:
             self.allowance.finished(0, 0)
-            loop.telemetry.put_group(QueuedGroup(position, row_index, policy_version=version))
+            loop.telemetry.put_group(QueuedGroup(position, row_index, policy_version=version, dropped="failed"))
             return
         rollouts = [r for _, r, _ in ok]
         columns = {k: v for k, v in row.items() if k != "prompt"}  # reward functions get "environment" too
@@ -272,8 +274,8 @@ class GroupScheduler:
         self._failed_in_a_row += 1
         self.loop.records.add("rollout/failed_count", 1)
         if self._failed_in_a_row >= FAILING_ROLLOUTS_LIMIT:
-            raise RolloutWorkerError(f"every rollout is failing ({self._failed_in_a_row} in a row, none "
-                                     f"succeeded); the last error: {message}")
+            raise PipelineStalledError(f"every rollout is failing ({self._failed_in_a_row} in a row, none "
+                                       f"succeeded); the last error: {message}")
 
     # ---------------------------------------------------------------------------- scoring
     async def score_forever(self) -> None:
@@ -307,7 +309,7 @@ class GroupScheduler:
                                  for e in group.env_rewards]
         if any(r is not None for r in group.rollout_rewards):
             sources["rollout"] = list(group.rollout_rewards)
-        group.rewards = sum_rewards(list(sources.values()), n)
+        group.rewards = scored_rewards = sum_rewards(list(sources.values()), n)
         trained_rewards = group.rewards
         if mask_truncated and any(group.truncated):
             # A masked rollout is not trained, so it is left out of the baseline too: the advantages
@@ -324,6 +326,8 @@ class GroupScheduler:
         if advantages.shape != (n,):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}, expected ({n},)")
         if dropped:
+            scored, trained = (int(np.sum(~np.isnan(r))) for r in (scored_rewards, trained_rewards))
+            queued.dropped = "unscorable" if scored < 2 else "other" if trained < 2 else "zero_spread"
             return queued
         std, func_stds = group_stds(sources, trained_rewards)
         now = time.time()

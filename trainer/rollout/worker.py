@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext, SpawnContext
 from typing import TYPE_CHECKING, Any
 
-from trainer.exceptions import RolloutWorkerError
+from trainer.exceptions import PipelineStalledError, RolloutWorkerError
 from trainer.metrics import Record
 from trainer.records import QueuedGroup
 
@@ -176,7 +176,11 @@ class RolloutWorker:
     def check(self) -> None:
         """Raise :class:`RolloutWorkerError` if the worker failed, died or stopped beating."""
         if self.channels.failed.is_set():
-            raise RolloutWorkerError(f"the rollout worker failed:\n{self._traceback()}")
+            trace = self._traceback()
+            # The worker's own stall guards: the trainer raises the same error type as its stall watch.
+            error = PipelineStalledError if "PipelineStalledError:" in (trace.strip().splitlines() or [""])[-1] else \
+                RolloutWorkerError
+            raise error(f"the rollout worker failed:\n{trace}")
         if not self.process.is_alive():
             raise RolloutWorkerError(
                 f"the rollout worker died (exit code {self.process.exitcode}) without a traceback:\n"

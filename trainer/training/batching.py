@@ -30,8 +30,10 @@ from trainer.training.packing import (
     RowPlanner,
     batch_metrics,
 )
+from trainer.training.stall import StallWatch
 
 logger = logging.getLogger(__name__)
+STALL_POLL_S = 1.0  # how often a blocked wait lets the stall watch look
 UNPACKED_PER_STEP = "batch/unpacked_tokens_per_step"  # sample tokens packed into the step's rows
 FORWARDED_PER_STEP = "batch/forwarded_tokens_per_step"
 
@@ -86,13 +88,16 @@ class MicroBatchStream:
             the worker reports that size, before any prompt of its second pass arrives.
         keep_samples: Keep the trained samples until :meth:`take_trained_samples` (``log_completions``).
         share_prefixes: Tree packing (``True``); ``False`` for rows that share nothing (``packing="per_sample"``).
+        stall: Watches the waits for a trainable sample (:mod:`trainer.training.stall`); ``None``: wait forever.
     """
 
     def __init__(self, worker: GroupSource, num_rows: int, token_budget: int, max_staleness: int,
                  metrics: MetricWindow, start_position: int = 0, stop_position: int | None = None,
                  keep_samples: bool = False, done_positions: Iterable[int] = (),
-                 stop_epochs: float | None = None, share_prefixes: bool = True) -> None:
+                 stop_epochs: float | None = None, share_prefixes: bool = True,
+                 stall: StallWatch | None = None) -> None:
         self.worker = worker
+        self.stall = stall
         self.planner = RowPlanner(num_rows, token_budget, share_prefixes)
         self.token_budget = token_budget
         self.max_staleness = max_staleness
@@ -150,18 +155,38 @@ class MicroBatchStream:
                 (position, sample), self._held_over = self._held_over, None
             else:
                 while not self._buffer:
-                    t0 = time.monotonic()
-                    group = self.worker.get(timeout_s=None if block else 0.0)
-                    if block:
-                        self.wait_s += time.monotonic() - t0
+                    group = self._wait_for_group() if block else self.worker.get(timeout_s=0.0)
                     if group is None:
                         return None
                     self._receive(group)
+                    if self.stall is not None:
+                        self.stall.received(group)
                 position, sample = self._buffer.popleft()
             if self.policy_version - sample.policy_version <= self.max_staleness:
+                if self.stall is not None:
+                    self.stall.trainable()
                 return position, sample
             self.metrics.add("sample/dropped_stale_count", 1)
+            if self.stall is not None:
+                self.stall.stale()
             self._taken(position)
+
+    def _wait_for_group(self) -> QueuedGroup:
+        """Block until a group arrives, letting the stall watch report (and stop the run) meanwhile."""
+        t0 = time.monotonic()
+        if self.stall is not None:
+            self.stall.start_wait()
+        try:
+            while True:
+                group = self.worker.get(timeout_s=STALL_POLL_S if self.stall is not None else None)
+                if group is not None:
+                    return group
+                assert self.stall is not None  # without one, get() waits until a group arrives
+                self.stall.waiting()
+        finally:
+            if self.stall is not None:
+                self.stall.stop_wait()
+            self.wait_s += time.monotonic() - t0
 
     def __next__(self) -> MicroBatch:
         self.metrics.add("rollout/queue_size", self.queued_samples())
