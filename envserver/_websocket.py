@@ -24,7 +24,8 @@ reads the pongs), and before the handshake completes; so a connection holds at m
 within ``fragment_timeout`` seconds (else 1008), its text is checked for UTF-8 fragment by
 fragment (1007 at the first bad fragment), and it is held as its payload bytes, however many
 fragments carry them. One turn of the event loop handles ``_FRAMES_PER_TURN`` frames of a
-connection at most, so a flood of tiny frames does not hold up the others. A closing connection
+connection that give the app no message (fragments, pings, pongs) at most, so a flood of tiny
+frames does not hold up the others. A closing connection
 is dropped ``_CLOSE_TIMEOUT`` seconds after the close began, written bytes the peer never read
 included (a transport would otherwise wait for them forever). A protocol error waits (1 s at
 most) until the app has read the messages that came before the bad frame, so their replies still
@@ -57,7 +58,7 @@ _CONT, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
 _FAIL_DELAY = 1.0  # seconds a protocol error waits for the app to read the messages before it
 _MAX_QUEUED = 64  # messages buffered for the app before reading from the socket pauses
-_FRAMES_PER_TURN = 1024  # frames handled in one turn of the event loop (~1.5 ms of empty ones)
+_FRAMES_PER_TURN = 1024  # frames without a message handled per loop turn (~1.5 ms of empty ones)
 _State = Literal["handshake", "connecting", "responding", "open", "closed"]
 
 
@@ -91,6 +92,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self._fragments: bytearray | None = None  # the payload of a fragmented message so far
         self._fragment_opcode = _TEXT
         self._fragment_size = 0  # its length (0 between fragmented messages)
+        self._frames = 0  # frames that gave the app no message, since reading last paused for them
         self._decoder: codecs.IncrementalDecoder | None = None  # checks a fragmented text's UTF-8 as it comes
         self._events: collections.deque[dict[str, Any]] = collections.deque()
         self._sizes: collections.deque[int] = collections.deque()  # payload bytes of each queued event
@@ -282,20 +284,9 @@ class WebSocketProtocol(asyncio.Protocol):
     # Frames from the peer
 
     def _parse(self, buffer: bytes | bytearray) -> int:
-        """Handle the complete frames in ``buffer``, ``_FRAMES_PER_TURN`` at most; returns how many bytes they took.
-
-        The rest waits for the loop's next turn, with reading paused until then: one read of tiny
-        frames (a 256 KiB read holds 40,000 empty ones) once kept every other connection waiting
-        for ~80 ms, on each of the loop turns a request of theirs takes (2 million two-byte
-        fragments: /health answered after 2.8 s).
-        """
+        """Handle every complete frame in ``buffer`` (until reading pauses); returns how many bytes they took."""
         pos, size = 0, len(buffer)
-        turn = _FRAMES_PER_TURN
         while size - pos >= 2 and not self.disconnected and not self._read_paused:
-            turn -= 1
-            if not turn:
-                self._pause()
-                self.loop.call_soon(self._resume)
             first, second = buffer[pos], buffer[pos + 1]
             length, start = second & 0x7F, pos + 2
             if length == 126:
@@ -330,6 +321,7 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._fail(1002, "a new message began before the fragmented one ended")
             elif fin:
                 self._message(opcode, payload)
+                return  # queued for the app: reading pauses when it is behind (``_deliver``)
             else:
                 self._fragment_opcode, self._fragments = opcode, bytearray()
                 self._decoder = utf8_decoder() if opcode == _TEXT else None
@@ -352,6 +344,22 @@ class WebSocketProtocol(asyncio.Protocol):
                 self._ping_timer = self.loop.call_later(self.config.ws_ping_interval, self._ping)  # type: ignore[arg-type]
         else:
             self._fail(1002, f"unknown opcode {opcode}")
+        self._count_frame()
+
+    def _count_frame(self) -> None:
+        """Count a frame that gave the app no message: past ``_FRAMES_PER_TURN`` of them, reading
+        pauses until the loop's next turn, and the rest of the buffer waits for it.
+
+        Frames that give the app nothing (fragments, pings, pongs) are otherwise bounded by nothing
+        but the read size: a read of 256 KiB holds 40,000 empty ones (~80 ms), and each of the few
+        dozen loop turns another connection's request takes waited for one (2 million two-byte
+        fragments: /health answered after 2.8 s).
+        """
+        self._frames += 1
+        if self._frames >= _FRAMES_PER_TURN:
+            self._frames = 0
+            self._pause()
+            self.loop.call_soon(self._resume)
 
     def _fragment(self, parts: bytearray, payload: bytes, fin: int) -> None:
         """One part of a fragmented message (``parts``: the payload so far); a text part's UTF-8 is
