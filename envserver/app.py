@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from envserver.auth import BearerAuth
 from envserver.config import ServerConfig
 from envserver.connection import Connection
+from envserver.interop import InteropFaces
 from envserver.metrics import ServerMetrics
 from envserver.pool import InlinePolicy, SyncPool
 from envserver.registry import EnvSpec
@@ -59,6 +60,7 @@ def create_app(specs: dict[str, EnvSpec], config: ServerConfig) -> FastAPI:
     app = FastAPI(title="toolgym env server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.table = table
     app.add_middleware(_SessionSockets, table=table)
+    app.add_middleware(InteropFaces, table=table)  # OpenEnv and MCP faces (docs/interop.md)
     if config.token is not None:  # added last, so it runs first: in front of the session sockets too
         app.add_middleware(BearerAuth, token=config.token)
     description = {name: spec.describe() for name, spec in specs.items()}

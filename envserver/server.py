@@ -15,7 +15,7 @@ from types import TracebackType
 
 import uvicorn
 
-from envserver._http import UpgradeFastPath
+from envserver._bodies import BodyRoutes
 from envserver._websocket import WebSocketProtocol
 from envserver.app import create_app
 from envserver.config import ServerConfig
@@ -34,8 +34,9 @@ class EnvServer(uvicorn.Server):
         self.table: SessionTable = app.state.table
         uvicorn_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
-            # Our own lean RFC 6455 protocol, and uvicorn's httptools protocol with a fast path to it.
-            http=UpgradeFastPath, ws=WebSocketProtocol,
+            # Our own lean RFC 6455 protocol, and uvicorn's httptools protocol with a fast path to it
+            # (bodies on the interop faces' POST routes only: envserver/_bodies.py).
+            http=BodyRoutes, ws=WebSocketProtocol,
             ws_max_size=config.hard_frame_limit, ws_ping_interval=20.0, ws_ping_timeout=20.0,
             timeout_graceful_shutdown=5, backlog=4096, lifespan="on",
             proxy_headers=False,  # nothing reads the client address; saves a middleware per request
