@@ -7,9 +7,9 @@ WebSocket protocols give them. It exists for speed: behind uvicorn's ``websocket
 protocol an upgrade cost ~190 us of CPU (HTTP parsing included), here ~60 us, and the server's
 CPU time per short session (open, reset, call, close) fell by about 40 % (``bench/envserver``).
 
-What it does (RFC 6455): the opening handshake (version 13; ``400`` for a malformed upgrade,
-``426`` for another version), text and binary messages, fragmented or not, client frames must be
-masked, control frames (close, ping, pong), the closing handshake, keep-alive pings
+What it does (RFC 6455): the opening handshake (``envserver._handshake``: version 13, ``400`` for
+a malformed upgrade, ``426`` for another version), text and binary messages, fragmented or not,
+client frames must be masked, control frames (close, ping, pong), the closing handshake, keep-alive pings
 (``ws_ping_interval``/``ws_ping_timeout``), messages above ``ws_max_size`` closed with 1009 before
 their payload is read, invalid UTF-8 closed with 1007, protocol errors with 1002. Extensions
 (permessage-deflate: small JSON frames gain nothing from it) are never negotiated; a subprotocol
@@ -36,24 +36,21 @@ the keep-alive deadline and the fragment deadline wait: the peer is not the one 
 from __future__ import annotations
 
 import asyncio
-import binascii
 import codecs
 import collections
-import hashlib
 import logging
 import random
 from typing import Any, Literal
-from urllib.parse import unquote
 
 from uvicorn.config import Config
 from uvicorn.protocols.utils import ClientDisconnected, get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
+from envserver._handshake import Refusal, accept_response, read_upgrade, upgrade_scope
 from envserver._wire import VALID_CLOSE, apply_mask, close_frame, frame, http_response, limits_of, utf8_decoder
 
 logger = logging.getLogger("envserver.websocket")
 
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _CONT, _TEXT, _BINARY, _CLOSE, _PING, _PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _CLOSE_TIMEOUT = 10.0  # seconds to wait for the peer's close frame after sending ours
 _FAIL_DELAY = 1.0  # seconds a protocol error waits for the app to read the messages before it
@@ -198,76 +195,21 @@ class WebSocketProtocol(asyncio.Protocol):
     # The opening handshake
 
     def _handshake(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        headers = []
-        fields: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name, value = name.strip().lower(), value.strip()
-            headers.append((name, value))
-            fields[name] = fields[name] + b", " + value if name in fields else value
-        if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1":
-            self._reject(400, b"a WebSocket handshake is a GET request over HTTP/1.1")
+        request = read_upgrade(head)
+        if isinstance(request, Refusal):
+            self._reject(*request)
             return
-        if fields.get(b"upgrade", b"").lower() != b"websocket" or b"upgrade" not in [
-                token.strip() for token in fields.get(b"connection", b"").lower().split(b",")]:
-            self._reject(400, b"missing 'Upgrade: websocket' or 'Connection: Upgrade'")
-            return
-        if fields.get(b"sec-websocket-version") != b"13":
-            self._reject(426, b"unsupported WebSocket version; this server speaks 13",
-                         [(b"sec-websocket-version", b"13")])
-            return
-        key = fields.get(b"sec-websocket-key", b"")
-        try:
-            valid_key = len(binascii.a2b_base64(key, strict_mode=True)) == 16
-        except binascii.Error:
-            valid_key = False
-        if not valid_key:
-            self._reject(400, b"missing or malformed Sec-WebSocket-Key")
-            return
-        self._accept_key = binascii.b2a_base64(hashlib.sha1(key + _GUID).digest(), newline=False)
-        self.scope = self._make_scope(parts[1], headers, fields)
+        self._accept_key = request.accept_key
+        self.scope = upgrade_scope(request, self.config, self._addresses, self.app_state)
         self.state = "connecting"
         self._put({"type": "websocket.connect"})
         task = self.loop.create_task(self._run_asgi())
         self.server_state.tasks.add(task)
         task.add_done_callback(self.server_state.tasks.discard)
 
-    def _make_scope(self, target: bytes, headers: list[tuple[bytes, bytes]],
-                    fields: dict[bytes, bytes]) -> dict[str, Any]:
-        raw_path, _, query = target.partition(b"?")
-        path = raw_path.decode("latin-1")
-        root = self.config.root_path
-        server, client, scheme = self._addresses
-        subprotocols = fields.get(b"sec-websocket-protocol")
-        return {
-            "type": "websocket",
-            "asgi": {"version": self.config.asgi_version, "spec_version": "2.4"},
-            "http_version": "1.1",
-            "scheme": scheme,
-            "server": server,
-            "client": client,
-            "root_path": root,
-            "path": root + (unquote(path) if "%" in path else path),
-            "raw_path": root.encode() + raw_path,
-            "query_string": query,
-            "headers": headers,
-            "subprotocols": [p.strip() for p in subprotocols.decode("latin-1").split(",")] if subprotocols else [],
-            "state": self.app_state.copy(),
-            "extensions": {"websocket.http.response": {}},
-        }
-
     def _accept(self, message: dict[str, Any]) -> None:
-        head = [b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
-                b"sec-websocket-accept: ", self._accept_key, b"\r\n"]
-        for name, value in (*self.server_state.default_headers, *message.get("headers", ())):
-            head += [name, b": ", value, b"\r\n"]
-        subprotocol = message.get("subprotocol")
-        if subprotocol:
-            head += [b"sec-websocket-protocol: ", subprotocol.encode(), b"\r\n"]
-        head.append(b"\r\n")
-        self.transport.write(b"".join(head))
+        headers = [*self.server_state.default_headers, *message.get("headers", ())]
+        self.transport.write(accept_response(self._accept_key, headers, message.get("subprotocol")))
         self.state = "open"
         interval = self.config.ws_ping_interval
         if interval:

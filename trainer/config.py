@@ -260,6 +260,13 @@ class AsyncGRPOConfig(TrainingArguments):
                   "(rewards/<name>/timeout_count); three timed-out groups in a row stop the run "
                   "(RewardTimeoutError). None: no limit."},
     )
+    env_call_timeout: float | None = field(
+        default=120.0,
+        metadata={"help": "Seconds one call of a local environment (reset, a tool, get_reward) or of a tool from "
+                  "tools=[...] may take. Past it the rollout fails (rollout/failed_count) and its environment "
+                  "instance is discarded (a sync call's thread cannot be stopped: it finishes on its own). Remote "
+                  "environments are also bounded by their server's call_timeout. None: no limit."},
+    )
 
     # --- training step -------------------------------------------------------------------------
     compile_training_step: bool = field(
@@ -357,6 +364,8 @@ class AsyncGRPOConfig(TrainingArguments):
         if not self.stall_timeout > 0:
             raise ConfigError(f"stall_timeout={self.stall_timeout} must be > 0 seconds: a run that trains nothing "
                               "must stop some time (raise it for very long rollouts)")
+        if self.env_call_timeout is not None and not self.env_call_timeout > 0:
+            raise ConfigError(f"env_call_timeout={self.env_call_timeout} must be > 0 (or None for no limit)")
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ConfigError(f"reward_timeout={self.reward_timeout} must be > 0 (or None for no limit)")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:

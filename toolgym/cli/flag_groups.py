@@ -19,6 +19,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "rollout and tools": (
         "tools", "num_generations", "max_completion_length", "mask_truncated_completions", "temperature", "top_p",
         "top_k", "min_p", "chat_template_kwargs", "max_tool_calling_iterations", "reward_timeout",
+        "env_call_timeout",
     ),
     "loss": (
         "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",

@@ -19,7 +19,7 @@ from typing import Any
 from sdk.exceptions import ServerUnavailableError
 from trainer.exceptions import RolloutFailed
 from trainer.metrics import RecordBuffer
-from trainer.rollout.tool_runner import call_maybe_async
+from trainer.rollout.tool_runner import call_with_timeout
 
 EnvironmentFactory = Callable[[], Any]
 
@@ -96,19 +96,19 @@ class EnvironmentPool:
 
 
 async def reset_environment(env: Any, row: dict[str, Any], prompt: list[dict[str, Any]], executor: Executor,
-                            records: RecordBuffer) -> list[dict[str, Any]]:
+                            records: RecordBuffer, timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Start an episode: ``env.reset(**row's other columns)``; its text joins the prompt's last user
     message (or is a new one). Records ``env/reset_s``.
 
     Raises:
-        RolloutFailed: ``reset`` raised: only this rollout fails.
+        RolloutFailed: ``reset`` raised or ran past ``timeout_s`` (``env_call_timeout``): only this rollout fails.
         ServerUnavailableError: A new session found no env server (any replica) up: the run stops, naming them.
     """
     kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
     t0 = time.monotonic()
     try:
-        text = await call_maybe_async(env.reset, executor, **kwargs)
-    except ServerUnavailableError:
+        text = await call_with_timeout(env.reset, executor, timeout_s, f"{type(env).__name__}.reset", **kwargs)
+    except (ServerUnavailableError, RolloutFailed):
         raise
     except Exception as exc:
         raise RolloutFailed(f"{type(env).__name__}.reset raised {type(exc).__name__}: {exc}") from exc
@@ -122,13 +122,18 @@ async def reset_environment(env: Any, row: dict[str, Any], prompt: list[dict[str
     return [*prompt, {"role": "user", "content": str(text)}]
 
 
-async def environment_reward(env: Any, executor: Executor, records: RecordBuffer) -> tuple[type, float] | None:
+async def environment_reward(env: Any, executor: Executor, records: RecordBuffer,
+                             timeout_s: float | None = None) -> tuple[type, float] | None:
     """The episode's ``(environment class, get_reward())``; ``None`` without a ``get_reward`` or a
-    reward. Records ``env/reward_s``."""
+    reward. Records ``env/reward_s``.
+
+    Raises:
+        RolloutFailed: ``get_reward`` ran past ``timeout_s`` (``env_call_timeout``).
+    """
     get_reward = getattr(env, "get_reward", None)
     if get_reward is None:
         return None
     t0 = time.monotonic()
-    value = await call_maybe_async(get_reward, executor)
+    value = await call_with_timeout(get_reward, executor, timeout_s, f"{type(env).__name__}.get_reward")
     records.add("env/reward_s", time.monotonic() - t0)
     return None if value is None else (type(env), float(value))

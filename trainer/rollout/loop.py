@@ -234,7 +234,7 @@ class AsyncRolloutLoop:
                 self.tokenizer, schemas, template, **self.settings.chat_template_kwargs)
         render = ConversationRenderer(self.tokenizer, schemas, template, self._incremental_render,
                                       **self.settings.chat_template_kwargs)
-        runner = ToolRunner(tools, self.executor)
+        runner = ToolRunner(tools, self.executor, self.settings.env_call_timeout)
         family = rollout_family(template or self.tokenizer.chat_template)  # its call syntax
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []

@@ -254,11 +254,12 @@ class GroupScheduler:
         name = loop.envs.resolve(row)
         env = loop.envs.acquire(name)
         try:
-            prompt = await reset_environment(env, row, prompt, loop.executor, loop.records)
+            timeout_s = loop.settings.env_call_timeout
+            prompt = await reset_environment(env, row, prompt, loop.executor, loop.records, timeout_s)
             tools += environment_tools(env)
             try:
                 rollout = await loop.run_rollout(row, prompt, tools, env, group_id=group_id)
-                env_reward = await environment_reward(env, loop.executor, loop.records)
+                env_reward = await environment_reward(env, loop.executor, loop.records, timeout_s)
             except TrainerError:
                 raise  # the sampler or the trainer failed, not the environment
             except ToolgymError as exc:  # the env server or its session failed, not the model

@@ -69,6 +69,7 @@ class RolloutSettings:
         max_staleness: Policy versions a group may lag before the trainer drops it (an adapter that
             old is retired from the server).
         reward_timeout: Seconds one reward function may take on one group (``None``: no limit).
+        env_call_timeout: Seconds one call of a local environment or tool may take (``None``: no limit).
         mask_truncated_completions: Leave rollouts cut at ``max_completion_length`` out of training.
     """
 
@@ -92,6 +93,7 @@ class RolloutSettings:
     max_concurrent_rollouts: int = _default("max_concurrent_rollouts")
     max_staleness: int = _default("max_staleness")
     reward_timeout: float | None = _default("reward_timeout")
+    env_call_timeout: float | None = _default("env_call_timeout")
     mask_truncated_completions: bool = _default("mask_truncated_completions")
 
     @classmethod

@@ -22,6 +22,7 @@ from typing import Any
 
 from sdk.exceptions import ToolCallError, ToolgymError, UnknownToolError
 from sdk.tools import Tool, tool_from_function
+from trainer.exceptions import RolloutFailed
 from trainer.records import TOOL_ERROR_PREFIX
 
 
@@ -39,7 +40,24 @@ def _as_text(value: Any) -> str:
         return str(value)
 
 
-async def call_maybe_async(func: Callable[..., Any], executor: Executor | None, **kwargs: Any) -> Any:
+async def call_with_timeout(func: Callable[..., Any], executor: Executor | None, timeout_s: float | None,
+                            what: str, /, **kwargs: Any) -> Any:
+    """:func:`call_maybe_async` bounded by ``timeout_s`` (``env_call_timeout``; ``None``: no bound).
+
+    Raises:
+        RolloutFailed: the call ran past ``timeout_s``, naming ``what`` (an async call is cancelled; a sync
+            one's thread cannot be, and finishes on its own).
+    """
+    if timeout_s is None:
+        return await call_maybe_async(func, executor, **kwargs)
+    try:
+        return await asyncio.wait_for(call_maybe_async(func, executor, **kwargs), timeout_s)
+    except TimeoutError:
+        raise RolloutFailed(f"{what} ran past env_call_timeout={timeout_s:g} s; the rollout fails and its "
+                            "environment is discarded") from None
+
+
+async def call_maybe_async(func: Callable[..., Any], executor: Executor | None, /, **kwargs: Any) -> Any:
     """Await ``func(**kwargs)`` when it is a coroutine function, else run it on ``executor``."""
     # An object with an async __call__ (not a callability test: B004 does not apply).
     if asyncio.iscoroutinefunction(func) or asyncio.iscoroutinefunction(getattr(func, "__call__", None)):  # noqa: B004
@@ -68,10 +86,12 @@ class ToolRunner:
     Args:
         tools: The tools shown to the model for this rollout.
         executor: Thread pool for sync tools.
+        timeout_s: ``env_call_timeout``: a call past it fails the rollout (``None``: no bound).
     """
 
     tools: Sequence[Tool]
     executor: Executor | None = None
+    timeout_s: float | None = None
     _by_name: dict[str, Tool] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,10 +111,8 @@ class ToolRunner:
                                    failed=True, unknown=True, latency_s=0.0)
         t0 = time.perf_counter()
         try:
-            if tool.is_async:
-                result = await tool.func(**call["arguments"])
-            else:
-                result = await call_maybe_async(tool.func, self.executor, **call["arguments"])
+            result = await call_with_timeout(tool.func, self.executor, self.timeout_s, f"tool {name!r}",
+                                             **call["arguments"])
         except ToolCallError as exc:  # a remote tool failed: the server already phrased it for the model
             return ToolCallOutcome(name, f"{TOOL_ERROR_PREFIX}{exc}", failed=True,
                                    unknown=isinstance(exc, UnknownToolError), latency_s=time.perf_counter() - t0)
