@@ -5,7 +5,7 @@ them; every ``weight_sync_steps`` optimizer steps the weights go to the server a
 version goes up by one. The class is a ``transformers.Trainer``: callbacks, ``report_to``,
 checkpoints, optimizer and scheduler are the ecosystem's. What it changes: the data (micro-batches
 of tree-packed rows from the rollout queue instead of a DataLoader), the step (packed forward,
-chunked log-probs, the loss of SPEC §4), logging (the pipeline's metrics), checkpoints (plus
+chunked log-probs, the loss of docs/loss.md), logging (the pipeline's metrics), checkpoints (plus
 ``rollout_state.json``) and the stop condition (epochs count prompts actually trained).
 
 Data flow: dataset -> rollout worker -> vLLM / env server -> queue -> packer -> loss -> weight sync
@@ -534,7 +534,7 @@ class AsyncGRPOTrainer(Trainer):
     def _end_of_step(self, step_s: float) -> None:
         args = self.args
         consumed, wait_s, per_step = self.stream.take_step_stats() if self.stream is not None else (0, 0.0, {})
-        if self.worker is not None and self._allowance is not None and consumed > 0:  # SPEC §2, docs/pipeline.md
+        if self.worker is not None and self._allowance is not None and consumed > 0:  # docs/pipeline.md
             self.worker.channels.token_allowance.value = self._allowance.after_step(
                 consumed, int(per_step.get(UNPACKED_PER_STEP, 0)), int(per_step.get(FORWARDED_PER_STEP, 0)))
         forwarded, trained = self._step_tokens

@@ -6,7 +6,7 @@ prompt), and the test checks what that run always shows: the step happened, the 
 names were logged (a group's metrics travel with it, so the step that receives it logs them), the
 environment saw the row's columns, routing picked the row's environment, the curriculum skipped
 solved prompts. The random tiny model almost never calls a tool, so no test relies on a call being
-made. Fast checks of the examples' own functions (the source's doctests) come first.
+made. Fast checks of the examples' own functions (their doctests) come first.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rendering a rollout's growing conversation to prompt ids, tokenizing only what is new.
 
-The multi-turn loop renders the whole conversation with the chat template every turn (SPEC §7).
+The multi-turn loop renders the whole conversation with the chat template every turn (docs/multiturn.md).
 Re-tokenizing that whole text every turn costs O(turns²) per rollout, on the worker's event loop.
 :class:`ConversationRenderer` keeps the previous turn's text and ids and, when the new text starts
 with the old text up to an *added token* (``<|im_end|>``, ``<tool_call>``...), tokenizes only the

@@ -1,4 +1,4 @@
-"""Turn a rollout's sampling requests into training sequences (SPEC §7, "multi-turn rollouts").
+"""Turn a rollout's sampling requests into training sequences (docs/multiturn.md).
 
 Each turn's prompt is the whole conversation re-rendered by the chat template, so it normally
 starts with every token held so far (the previous prompt plus what the model generated): the

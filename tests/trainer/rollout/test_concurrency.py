@@ -1,4 +1,4 @@
-"""The rollout worker's concurrency limits (SPEC §2): the adaptive cap and the token allowance (both rules)."""
+"""The rollout worker's concurrency limits (docs/pipeline.md): the adaptive cap and the token allowance (both rules)."""
 
 from __future__ import annotations
 

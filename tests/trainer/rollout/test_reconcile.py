@@ -1,4 +1,4 @@
-"""Reconciliation of a rollout's turns into training sequences (SPEC §7)."""
+"""Reconciliation of a rollout's turns into training sequences (docs/multiturn.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 On the real vLLM CPU server (``--logprobs-mode processed_logprobs``, ``--max-logprobs 20``), before any
 weight update, the trainer's log-prob of every sampled token, renormalised over the candidate set the
 server reported, matches the server's processed log-prob (importance ratio ~1 on every token); over the
-full vocabulary it does not (the bias the source describes). The measured bias is printed
+full vocabulary it does not (the bias TRL's AsyncGRPOTrainer docs describe). The measured bias is printed
 (``pytest -s``). The source's own path (``--return-sampling-mask``, Model Runner V2) cannot run on the CPU
 build; its answer parsing is checked on the route's response shape.
 """
