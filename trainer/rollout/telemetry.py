@@ -22,7 +22,7 @@ from trainer.rollout.worker import WorkerChannels, require_channels
 from trainer.vllm.client import SamplerClient
 from trainer.vllm.prometheus import ServerLoad
 
-__all__ = ["METRICS_FLUSH_S", "LoopTelemetry"]
+__all__ = ["LoopTelemetry", "METRICS_FLUSH_S"]
 
 METRICS_FLUSH_S = 1.0
 

@@ -271,8 +271,8 @@ def test_a_rollout_is_truncated_when_its_last_turn_has_no_eos() -> None:
 
 def stub_settings(**fields) -> RolloutSettings:
     """Settings of a loop that never reaches a server."""
-    return RolloutSettings(model_name="unused", vllm_server_base_url="http://127.0.0.1:9",
-                           server=ServerInfo(model="unused", max_model_len=2048), **fields)
+    fields = {"server": ServerInfo(model="unused", max_model_len=2048), **fields}
+    return RolloutSettings(model_name="unused", vllm_server_base_url="http://127.0.0.1:9", **fields)
 
 
 STUB_TOKENIZER = SimpleNamespace(eos_token_id=0, chat_template=None, get_vocab=dict)
