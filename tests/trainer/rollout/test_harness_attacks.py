@@ -153,7 +153,7 @@ def test_rendering_a_huge_request_does_not_stall_the_loop(tokenizer: Any) -> Non
         done.set()
         await tick
         print(f"7.2 MB request: longest loop stall {max(gaps):.3f} s over {len(gaps)} ticks")
-        assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s"
+        assert max(gaps) < 3.0, f"the loop stalled {max(gaps):.2f} s"  # 13.2 s when rendering ran on the loop
         await server.stop()
 
     run(go())
