@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from accelerate.utils import broadcast_object_list
 from transformers import (
     AutoTokenizer,
     PreTrainedModel,
@@ -42,6 +43,14 @@ from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
 from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
+from trainer.rollout.eval_in_training import (
+    EpochEvaluation,
+    EvalPlan,
+    eval_rows,
+    evaluate_outside_training,
+    record_evaluation,
+    request_evaluation,
+)
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
 from trainer.rollout.settings import RolloutSettings
@@ -183,6 +192,9 @@ class AsyncGRPOTrainer(Trainer):
         train_dataset: Conversational prompts (``prompt`` column) plus any columns the reward
             functions or environments read. ``None`` when the environment owns the data (then
             ``max_steps`` is required).
+        eval_dataset: Evaluation rows, like ``train_dataset``'s (map-style or a stream), evaluated at
+            ``eval_strategy`` / ``eval_steps`` / ``eval_on_start`` and by :meth:`evaluate`. ``None`` with an
+            environment: seeded episodes of it (``eval_num_rows``).
         processing_class: The tokenizer; loaded from the model when ``None``. A missing pad token
             defaults to EOS.
         callbacks: Extra ``TrainerCallback``s.
@@ -208,6 +220,7 @@ class AsyncGRPOTrainer(Trainer):
         reward_funcs: Callable[..., Any] | list[Callable[..., Any]] | None = None,
         args: AsyncGRPOConfig | None = None,
         train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: Any = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
@@ -226,6 +239,10 @@ class AsyncGRPOTrainer(Trainer):
             raise ConfigError("without a train_dataset the environment owns the data, so the run has no epochs: "
                               "set max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
         _validate_dataset(train_dataset, environment_factory is not None or not self.prompt_column_required)
+        _validate_dataset(eval_dataset, environment_factory is not None or not self.prompt_column_required)
+        wants_eval = args.eval_strategy != "no" or args.eval_on_start or eval_dataset is not None
+        self.eval_rows = eval_rows(eval_dataset, args.eval_num_rows, environment_factory is not None) \
+            if wants_eval else None
         check_construction(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, peft_config=peft_config,
                            environment_factory=environment_factory)
         # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
@@ -297,9 +314,10 @@ class AsyncGRPOTrainer(Trainer):
         self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
         self._loss_stats: list[dict[str, torch.Tensor]] = []
         self._step_guard = StepGuard()  # a step with non-finite gradients is skipped, never applied or synced
-        super().__init__(model=model, args=args, train_dataset=None, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers)
+        super().__init__(model=model, args=args, train_dataset=None, eval_dataset=self.eval_rows,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
         self.add_callback(_PipelineCallback(self))
+        self.add_callback(EpochEvaluation())  # after the pipeline's: it reads the epoch that callback sets
         self._policy_sync = PolicySync(self.accelerator, lambda: self.model, self.model_id, self.args,
                                       self._frozen_weights, self.metrics, self._publish_version)
         self.loss_config = LossConfig(epsilon=args.epsilon, epsilon_high=args.epsilon_high,
@@ -606,6 +624,49 @@ class AsyncGRPOTrainer(Trainer):
             records.append(CompletionRecord(self.state.global_step, decode(ids[:start]), decode(ids[start:]),
                                             sample.reward, sample.advantage))
         report_completions(records, self.state.global_step, self.callback_handler.callbacks)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,  # type: ignore[override]
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Run evaluation episodes of the newest policy; log and return their metrics (docs/evaluation.md).
+
+        ``transformers`` calls it at ``eval_strategy`` / ``eval_steps`` and ``eval_on_start``. During
+        training the rollout worker runs the episodes beside training's (none of them is trained on);
+        otherwise this process runs them against the server's weights. The metrics are
+        ``{metric_key_prefix}_success_rate`` (with ``_low`` / ``_high``: its 95 % interval), ``_mean_reward``,
+        ``_pass@k``, ... (``report_to`` shows them as ``eval/...``); the episodes go to
+        ``<output_dir>/eval/step-N/`` (``toolgym eval --compare`` reads two such folders).
+
+        Args:
+            eval_dataset: Rows to evaluate instead of the trainer's ``eval_dataset``.
+            ignore_keys: Unused (there are no model outputs to filter).
+            metric_key_prefix: The metrics' prefix.
+        """
+        t0 = time.monotonic()
+        metrics: dict[str, float] | None = None
+        if self.is_world_process_zero():
+            rows = self.eval_rows if eval_dataset is None else None
+            if rows is None:
+                rows = eval_rows(eval_dataset, self.args.eval_num_rows, self.environment_factory is not None)
+            plan = EvalPlan.from_config(self.args, rows)
+            if self.worker is not None:
+                episodes = request_evaluation(self.worker, plan)
+            else:
+                args = self.args
+                server = read_server_info(VLLMAdminClient(args.vllm_server_base_url, args.vllm_server_timeout))
+                settings = RolloutSettings.from_config(args, self.model_id, server,
+                                                       chat_template=self.rollout_chat_template)
+                episodes = evaluate_outside_training(settings, plan, self.loop_cls, dict(
+                    processing_class=self.processing_class, reward_funcs=self.reward_funcs, tools=self.tools,
+                    environment_factory=self.environment_factory, **self.rollout_loop_kwargs()))
+            folder = Path(str(self.args.output_dir)) / metric_key_prefix / f"step-{self.state.global_step}"
+            metrics = record_evaluation(episodes, folder, metric_key_prefix, time.monotonic() - t0,
+                                        {"step": self.state.global_step, "model": self.model_id})
+        if self.accelerator.num_processes > 1:  # every rank decides the same (best model, scheduler)
+            metrics = broadcast_object_list([metrics])[0]
+        assert metrics is not None
+        super().log(metrics)  # the base log: this trainer's own would flush the step's metric window
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def _get_output_dir(self, trial: Any) -> str:
         run_dir = super()._get_output_dir(trial)

@@ -294,6 +294,33 @@ class AsyncGRPOConfig(TrainingArguments):
                   "~/.cache/toolgym/compile. 'off': nothing is kept; every run compiles and tunes from scratch."},
     )
 
+    # --- evaluation during training (eval_strategy, eval_steps, eval_on_start: TrainingArguments') ----
+    eval_temperature: float | None = field(
+        default=None,
+        metadata={"help": "Sampling temperature of evaluation episodes; 0: greedy; None: temperature. Evaluation "
+                  "runs in the rollout worker beside training's rollouts, on the newest policy version "
+                  "(docs/evaluation.md)."},
+    )
+    eval_num_generations: int | None = field(
+        default=None,
+        metadata={"help": "Episodes per evaluation row: the n of eval_pass@k (k = 1..n); None: num_generations."},
+    )
+    eval_num_rows: int | None = field(
+        default=None,
+        metadata={"help": "Rows evaluated: eval_dataset's first N (None: all of them). Without an eval_dataset, "
+                  "N episodes of the environment, row i reset with seed=i (None: 16)."},
+    )
+    eval_group_by: str | None = field(
+        default=None,
+        metadata={"help": "An eval_dataset column naming each row's task: eval_task/<column>=<value>/success_rate "
+                  "per value. None: per environment when rows are routed to several, else none."},
+    )
+    eval_success_threshold: float = field(
+        default=1.0,
+        metadata={"help": "An evaluation episode succeeds when its summed reward is at least this "
+                  "(eval_success_rate, eval_pass@k)."},
+    )
+
     # --- logging -------------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
@@ -368,6 +395,11 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ConfigError(f"env_call_timeout={self.env_call_timeout} must be > 0 (or None for no limit)")
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ConfigError(f"reward_timeout={self.reward_timeout} must be > 0 (or None for no limit)")
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            raise ConfigError(f"eval_temperature={self.eval_temperature} must be >= 0 (0: greedy; None: temperature)")
+        for name in ("eval_num_generations", "eval_num_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ConfigError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 "
                               "(or None to show every completion)")

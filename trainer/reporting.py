@@ -2,7 +2,8 @@
 
 :class:`ProgressCallback` prints one row per log (step, reward, groups dropped, completion length,
 generation throughput, queue, staleness, step time, and the seconds the step waited for compilation,
-"-" when it compiled nothing) with ``rich``; :class:`PlotCallback` writes
+"-" when it compiled nothing) with ``rich``, and one line per evaluation (:func:`eval_row`: success
+with its 95 % interval, mean reward, pass@1 and pass@n); :class:`PlotCallback` writes
 ``plots/<metric>.png`` under the output directory when training ends (reward,
 ``frac_zero_std_groups``, completion length, throughput) and :func:`write_plots` does the same for
 any log history. :func:`report_completions` shows sample completions at a log
@@ -56,6 +57,8 @@ class ProgressCallback(TrainerCallback):
                                f"sample; dropped since: {dropped or 'nothing yet'}; stale: "
                                f"{int(logs.get('pipeline/stale_dropped_count', 0))}[/yellow]")
             return
+        if logs and "eval_success_rate" in logs and state.is_world_process_zero:
+            self.console.print(eval_row(logs, state.global_step))
             return
         if not logs or "loss" not in logs or not state.is_world_process_zero:
             return
@@ -72,6 +75,24 @@ class ProgressCallback(TrainerCallback):
             cells.append(f"{fmt.format(value):>{width}}" if isinstance(value, (int, float)) and not math.isnan(value)
                          else f"{'-':>{width}}")
         self.console.print(" ".join(cells))
+
+
+def eval_row(logs: dict[str, float], step: int) -> str:
+    """The progress table's line for an evaluation's log (``AsyncGRPOTrainer.evaluate``'s metrics)."""
+    def percent(key: str) -> str:
+        value = logs.get(key, math.nan)
+        return "-" if math.isnan(value) else f"{value:.1%}"
+
+    ks = sorted(int(k.removeprefix("eval_pass@")) for k in logs if k.startswith("eval_pass@"))
+    shown = [k for k in ks if k == 1 or k == ks[-1]]
+    pass_at = "  ".join(f"pass@{k} {percent(f'eval_pass@{k}')}" for k in shown)
+    from rich.markup import escape
+
+    text = (f"{'eval':>8} step {step}: success {percent('eval_success_rate')} "
+            f"[{percent('eval_success_rate_low')}, {percent('eval_success_rate_high')}] of "
+            f"{logs.get('eval_episodes', 0):.0f} episodes, mean reward {logs.get('eval_mean_reward', math.nan):.3f}, "
+            f"{pass_at}, {logs.get('eval_runtime', math.nan):.0f} s")
+    return f"[cyan]{escape(text)}[/cyan]"
 
 
 def write_plots(history: list[dict[str, Any]], folder: str | Path) -> list[Path]:

@@ -34,6 +34,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "packing", "token_budget", "gradient_accumulation_steps", "bf16", "gradient_checkpointing",
         "compile_training_step", "compile_row_bucket", "compile_cache_dir",
     ),
+    "evaluation": ("eval_temperature", "eval_num_generations", "eval_num_rows", "eval_group_by",
+                   "eval_success_threshold"),
     "environment": ("environment", "env_token", "env_kwargs"),
     "launch": ("launch_vllm", "vllm_max_model_len", "launch_envserver"),
     "logging": (

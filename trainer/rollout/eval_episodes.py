@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 from trainer.exceptions import ConfigError, RewardFunctionError, RewardTimeoutError, RolloutFailed
 from trainer.records import Rollout, RolloutGroup
 from trainer.rollout.chat_template import completion_text, rollout_family
+from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.eval_results import EpisodeResult
 from trainer.rollout.scoring import RewardFunc, reward_func_name, sum_rewards
 
 if TYPE_CHECKING:
     from trainer.rollout.loop import AsyncRolloutLoop
 
-__all__ = ["reward_sources", "run_episodes", "task_of"]
+__all__ = ["reward_sources", "run_episodes", "run_episodes_on_own_loop", "task_of"]
 
 
 def reward_sources(reward_funcs: Sequence[RewardFunc], func_rewards: Sequence[Sequence[float | None]],
@@ -104,6 +105,24 @@ async def run_episodes(loop: AsyncRolloutLoop, rows: Sequence[dict[str, Any]], n
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
     return finished
+
+
+async def run_episodes_on_own_loop(loop: AsyncRolloutLoop, rows: Sequence[dict[str, Any]], num_generations: int,
+                                   concurrency: int, *, group_by: str | None = None, success_threshold: float = 1.0,
+                                   on_episode: Callable[[EpisodeResult], None] | None = None) -> list[EpisodeResult]:
+    """:func:`run_episodes` on a loop built for them alone: at most ``concurrency`` in flight (a fixed cap:
+    nothing polls the server's load, nothing else shares it), the loop's ``setup`` before and its
+    environments, sampler client, ``close`` and threads released after (the loop is spent)."""
+    loop.scheduler.cap = AdaptiveCap(concurrency, None, loop.settings.server.max_model_len)
+    await loop.setup()
+    try:
+        return await run_episodes(loop, rows, num_generations, group_by=group_by,
+                                  success_threshold=success_threshold, on_episode=on_episode)
+    finally:
+        await loop.envs.aclose()
+        await loop.sampler.close()
+        await loop.close()
+        loop.executor.shutdown(wait=False, cancel_futures=True)
 
 
 async def _episode(loop: AsyncRolloutLoop, row: dict[str, Any], row_index: int, sample_index: int,

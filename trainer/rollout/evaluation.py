@@ -22,9 +22,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.env_pool import EnvironmentFactory
-from trainer.rollout.eval_episodes import run_episodes
+from trainer.rollout.eval_episodes import run_episodes_on_own_loop
 from trainer.rollout.eval_results import EpisodeResult, EvalSummary, summarize
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.scoring import RewardFunc
@@ -55,7 +54,7 @@ def evaluate(settings: RolloutSettings, rows: Sequence[dict[str, Any]], num_gene
     """Evaluate the served policy: ``num_generations`` episodes of every row, as training runs them.
 
     Builds an :class:`~trainer.rollout.loop.AsyncRolloutLoop` on ``settings``, runs
-    :func:`~trainer.rollout.eval_episodes.run_episodes` on it and releases it. Interrupted (Ctrl-C),
+    :func:`~trainer.rollout.eval_episodes.run_episodes_on_own_loop` on it. Interrupted (Ctrl-C),
     it raises ``KeyboardInterrupt`` after closing everything; ``on_episode`` has seen every episode
     that finished.
 
@@ -81,25 +80,10 @@ def evaluate(settings: RolloutSettings, rows: Sequence[dict[str, Any]], num_gene
     tokenizer = processing_class or AutoTokenizer.from_pretrained(settings.model_name)
     loop = AsyncRolloutLoop(settings, tokenizer, reward_funcs=reward_funcs, tools=tools,
                             environment_factory=environment_factory)
-    # A fixed cap: nothing polls the server's load here, and nothing else shares it.
-    loop.scheduler.cap = AdaptiveCap(concurrency or settings.max_concurrent_rollouts, None,
-                                     settings.server.max_model_len)
-    episodes = asyncio.run(_evaluate_on(loop, rows, num_generations, group_by, success_threshold, on_episode))
+    episodes = asyncio.run(run_episodes_on_own_loop(
+        loop, rows, num_generations, concurrency or settings.max_concurrent_rollouts, group_by=group_by,
+        success_threshold=success_threshold, on_episode=on_episode))
     return EvalRun(episodes, summarize(episodes))
-
-
-async def _evaluate_on(loop: AsyncRolloutLoop, rows: Sequence[dict[str, Any]], num_generations: int,
-                       group_by: str | None, success_threshold: float,
-                       on_episode: Callable[[EpisodeResult], None] | None) -> list[EpisodeResult]:
-    await loop.setup()
-    try:
-        return await run_episodes(loop, rows, num_generations, group_by=group_by,
-                                  success_threshold=success_threshold, on_episode=on_episode)
-    finally:
-        await loop.envs.aclose()
-        await loop.sampler.close()
-        await loop.close()
-        loop.executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

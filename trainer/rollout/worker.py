@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.exceptions import PipelineStalledError, RolloutWorkerError
 from trainer.metrics import Record
 from trainer.records import QueuedGroup
+from trainer.rollout.eval_in_training import EvalReply, EvalRequest, evaluation_loop, run_with_evaluations
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -61,6 +63,8 @@ class WorkerChannels:
         stop: Set by the trainer to stop the worker.
         queued_samples: Training samples the worker has put on ``rollout_buffer``.
         epoch_size: Prompts per epoch; 0 until known (a stream's size is known after its first pass).
+        eval_requests: Evaluations to run, trainer -> worker (:mod:`trainer.rollout.eval_in_training`).
+        eval_results: Their episodes, worker -> trainer.
     """
 
     rollout_buffer: Queue[QueuedGroup]
@@ -74,6 +78,8 @@ class WorkerChannels:
     stop: Event
     queued_samples: ctypes.c_int64
     epoch_size: ctypes.c_int64
+    eval_requests: Queue[EvalRequest]
+    eval_results: Queue[EvalReply]
 
     @classmethod
     def create(cls, ctx: BaseContext, initial_allowance: int, initial_version: int,
@@ -92,11 +98,13 @@ class WorkerChannels:
             stop=ctx.Event(),
             queued_samples=ctx.RawValue(ctypes.c_int64, 0),
             epoch_size=ctx.RawValue(ctypes.c_int64, epoch_size),
+            eval_requests=ctx.Queue(),
+            eval_results=ctx.Queue(),
         )
 
     def queues(self) -> tuple[Queue[Any], ...]:
-        """The three queues."""
-        return self.rollout_buffer, self.metrics_queue, self.exception_queue
+        """The queues."""
+        return self.rollout_buffer, self.metrics_queue, self.exception_queue, self.eval_requests, self.eval_results
 
 
 def require_channels(channels: WorkerChannels | None) -> WorkerChannels:
@@ -134,7 +142,8 @@ def worker_main(loop_cls: type[AsyncRolloutLoop], settings: RolloutSettings, loo
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         loop = loop_cls(settings, channels=channels, **loop_kwargs)
-        asyncio.run(loop.run())
+        make_eval_loop = functools.partial(evaluation_loop, loop_cls, settings, loop_kwargs, channels)
+        asyncio.run(run_with_evaluations(loop, make_eval_loop, channels))
     except BaseException:  # everything, KeyboardInterrupt included, must reach the trainer
         channels.exception_queue.put(traceback.format_exc())
         channels.failed.set()
@@ -240,7 +249,7 @@ class RolloutWorker:
                 return records
 
     def _discard_pending(self) -> None:
-        for q in (self.channels.rollout_buffer, self.channels.metrics_queue):
+        for q in (self.channels.rollout_buffer, self.channels.metrics_queue, self.channels.eval_results):
             try:
                 while True:
                     q.get_nowait()

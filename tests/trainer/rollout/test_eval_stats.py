@@ -24,6 +24,10 @@ def test_wilson_interval_matches_published_values(successes: int, n: int, low: f
     assert got == pytest.approx((low, high), abs=1e-4)
 
 
+def test_the_interval_ends_exactly_at_zero_and_one() -> None:
+    assert wilson_interval(0, 6)[0] == 0.0 and wilson_interval(6, 6)[1] == 1.0
+
+
 def test_a_proportion_without_episodes_is_nan_with_the_whole_range() -> None:
     estimate = proportion_estimate(0, 0)
     assert math.isnan(estimate.value) and (estimate.low, estimate.high) == (0.0, 1.0)
