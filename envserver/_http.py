@@ -9,9 +9,10 @@ before any route runs:
   faster than its size).
 * ``head_timeout``: the longest the server waits on a peer. A connection whose request head is not
   complete this many seconds after it opened (or after the previous response) is dropped; so is one
-  whose peer has read nothing for as long while it owes a read (the server's write buffer full, or
-  answers left to flush before a close): before, a peer that never read a large answer held its
-  connection and the answer forever. A peer that reads, however slowly, gets another period.
+  whose peer has read less than ``_MIN_READ`` bytes (or all it was sent) in as long while it owes
+  a read (the server's write buffer full, or answers left to flush before a close): before, a
+  peer that never read a large answer held its connection and the answer forever. A peer that
+  reads that much gets another period, so an answer of N bytes is held N / 64 KiB periods at most.
 * No request body: every route is a ``GET`` that reads none, so a request that declares one (a
   ``Content-Length`` above 0, or any ``Transfer-Encoding``) is answered ``413`` without a byte of it
   being read. Before, a complete head followed by 1 byte/s of body held its connection for as long
@@ -54,6 +55,7 @@ _FIELD = rb"%s:[\t\x20-\x7e\x80-\xff]*+\r\n" % _TOKEN
 _UPGRADE_HEAD = re.compile(rb"GET /[\x21-\x7e]*+ HTTP/1\.1\r\n(?:%s)++\r\n" % _FIELD)
 _UPGRADE_FIELD = re.compile(rb"\r\nupgrade:[\t ]*websocket[\t ]*\r\n", re.IGNORECASE)
 _MAX_PIPELINED = 16  # requests a connection may have waiting behind the one running
+_MIN_READ = 64 << 10  # bytes a peer owing a read must take per head_timeout (or all it was sent) to keep going
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # ioctl: bytes in a socket's send queue the peer has not acknowledged
 _NO_BODY = b"this server's routes take no request body (Content-Length above 0 or Transfer-Encoding); send none"
 
@@ -258,10 +260,12 @@ class UpgradeFastPath(HttpToolsProtocol):
 
     def peer_timed_out(self) -> None:
         """The deadline passed (``_PeerDeadlines``): drop the connection, with whatever it has left to
-        write, if it still waits on the peer and the peer has read nothing since the deadline began."""
+        write, if it still waits on the peer and the peer has not read ``_MIN_READ`` bytes (or all it
+        had) since the deadline began. A peer whose receive buffer merely filled (2 KiB here) once
+        got a second period."""
         if not self._waits_on_peer():
             return
-        if _unsent(self.transport) < self._unsent:  # the peer reads, however slowly
+        if self._unsent - _unsent(self.transport) >= min(_MIN_READ, self._unsent) > 0:  # the peer reads
             self._wait_on_peer()  # another period (one that read all it had gets a whole one for its head)
             return
         self.transport.abort()

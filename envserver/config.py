@@ -70,9 +70,10 @@ class ServerConfig:
         "answered 431 and the connection closed.")
     head_timeout: float = _setting(
         5.0, "Seconds the server waits on an HTTP peer: to send a complete request head (from when the "
-        "connection opens, or from the previous response), or to read any of its answers while the server's "
-        "write buffer to it is full or waits to be flushed before a close; then the connection is closed "
-        "(slowloris, or a peer that never reads). A request has no body: one that declares one gets 413.")
+        "connection opens, or from the previous response), or to read 64 KiB more of its answers (or all "
+        "of them) while the server's write buffer to it is full or waits to be flushed before a close; then "
+        "the connection is closed (slowloris, or a peer that never reads). A request has no body: one that "
+        "declares one gets 413.")
     max_buffered_bytes: int = _setting(
         256 << 10, "Bytes of received messages a connection may hold queued for its session (requests "
         "pipelined behind a running one) before the server stops reading from its socket. With one frame "
