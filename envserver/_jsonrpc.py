@@ -24,7 +24,7 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 SERVER_ERROR = -32000
 
-MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
+MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 """MCP protocol revisions this server speaks, newest first (a client asking for another gets the newest)."""
 
 _TOOL_FAILURES = frozenset((ErrorCode.INVALID_ARGUMENTS, ErrorCode.TOOL_ERROR, ErrorCode.CALL_TIMEOUT))

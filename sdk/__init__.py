@@ -5,7 +5,8 @@
   functions and for environments, local or remote alike.
 * ``RemoteEnvironment`` (async), ``SyncRemoteEnvironment`` (scripts), ``remote_factory`` (a
   picklable ``environment_factory``): the client of the env server.
-* ``OpenEnvEnvironment``: an OpenEnv server's environment as a toolgym one (``docs/interop.md``).
+* ``OpenEnvEnvironment``, ``MCPEnvironment``: an OpenEnv server's environment, an MCP server's
+  tools, as a toolgym environment (``docs/interop.md``).
 * ``ToolEnv`` / ``GymnasiumEnvironment`` / ``register_environment``: the Gymnasium bridge both ways.
 * Every error derives from ``SDKError`` under the project-wide ``ToolgymError``; the tree is in
   ``sdk.exceptions``.
@@ -61,6 +62,7 @@ __all__ = [
     "EnvironmentCheckError",
     "GymnasiumEnvironment",
     "InvalidArgumentsError",
+    "MCPEnvironment",
     "MissingDocstringError",
     "OpenEnvEnvironment",
     "PROTOCOL_VERSION",
@@ -104,6 +106,7 @@ _LAZY = {
     "EnvironmentCheckError": "sdk.exceptions",
     "GymnasiumEnvironment": "sdk.gym",
     "InvalidArgumentsError": "sdk.exceptions",
+    "MCPEnvironment": "sdk.mcp",
     "MissingDocstringError": "sdk.exceptions",
     "OpenEnvEnvironment": "sdk.openenv",
     "PROTOCOL_VERSION": "sdk.protocol",
