@@ -51,7 +51,8 @@ def test_counter_transcripts_replay_against_the_real_environment() -> None:
         (tool_call,) = call["tool_calls"]
         assert tool_call["function"]["name"] == "increment"
         assert 1 <= tool_call["function"]["arguments"]["step"] <= env.max_target
-        assert reply == {"role": "tool", "content": str(env.increment(**tool_call["function"]["arguments"]))}
+        assert reply["role"] == "tool" and reply["name"] == "increment"  # the family's tool-result message
+        assert reply["content"] == str(env.increment(**tool_call["function"]["arguments"]))
         assert final == {"role": "assistant", "content": f"The counter is now {env.counter}."}
         assert transcript.success == (env.get_reward() == 1.0)
     # An imperfect policy: RL has room to improve, yet the format is shown every time.

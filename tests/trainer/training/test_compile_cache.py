@@ -127,8 +127,13 @@ def test_an_unwritable_root_is_reported_and_the_run_goes_on(tmp_path: Path, capl
 
 
 def test_off_disables_torch_caches_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
-    assert use_compile_cache("off") is None
-    assert inductor_config.force_disable_caches
+    # Not monkeypatch.setattr: its undo deletes the name, which torch's config module then hides for good.
+    before = inductor_config.force_disable_caches
+    inductor_config.force_disable_caches = False
+    try:
+        assert use_compile_cache("off") is None
+        assert inductor_config.force_disable_caches
+    finally:
+        inductor_config.force_disable_caches = before
     scratch = Path(os.environ["TRITON_CACHE_DIR"])
     assert scratch.is_dir() and scratch.name.startswith("toolgym-triton-")
