@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 PUBLIC_MODULES = {
-    "sdk": ["sdk.checker", "sdk.environment", "sdk.exceptions", "sdk.factory", "sdk.gym", "sdk.loading", "sdk.mcp", "sdk.openenv", "sdk.remote",
-            "sdk.sync", "sdk.tools"],
+    "sdk": ["sdk.checker", "sdk.environment", "sdk.exceptions", "sdk.factory", "sdk.gym", "sdk.loading",
+            "sdk.mcp", "sdk.openenv", "sdk.remote", "sdk.sync", "sdk.tools"],
     "envserver": ["envserver.app", "envserver.config", "envserver.exceptions", "envserver.registry",
                   "envserver.server"],
 }
