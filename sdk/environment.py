@@ -27,7 +27,9 @@ class Environment:
     Optional hooks, looked up by name (so they are not declared here):
 
     * ``get_reward(self) -> float`` (sync or async): the environment scores the episode that just
-      ran from its own state. Called once per finished rollout.
+      ran from its own state. Called once per finished rollout. A reward function can read the same
+      state instead: one that declares ``environments`` gets each rollout's instance after its
+      episode (TRL GRPOTrainer's signature), to score text and state together (``docs/interop.md``).
     * ``close(self) -> None``: release resources; the env server calls it when a session ends.
 
     Environments must be constructible with no arguments (``environment_factory`` is a zero-argument

@@ -175,5 +175,5 @@ async def _score(loop: AsyncRolloutLoop, row: dict[str, Any], prompt: list[dict[
         tool_call_counts=[rollout.tool_call_count], tool_failure_counts=[rollout.tool_failure_count],
         policy_version=version, group_id=-1, row_index=-1, env_rewards=[env_reward],
         rollout_rewards=[rollout.reward], truncated=[rollout.truncated(loop.eos_token_ids)])
-    func_rewards = await loop.rewards(group) if loop.reward_funcs else []
+    func_rewards = await loop.scheduler.score_with_environments(group, [rollout]) if loop.reward_funcs else []
     return reward_sources(loop.reward_funcs, func_rewards, [env_reward], [rollout.reward])

@@ -81,6 +81,9 @@ class GroupScheduler:
         self.groups: set[asyncio.Task[None]] = set()  # groups in flight
         self._groups_started = 0  # group_id: groups counted from 0
         self._failed_in_a_row = 0
+        # rollout_id -> (environment name, instance): held for the reward functions that declare
+        # ``environments``, back to the pool once its group is scored
+        self.held: dict[str, tuple[str | None, Any]] = {}
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
 
@@ -267,8 +270,23 @@ class GroupScheduler:
         except BaseException:
             loop.envs.discard(env)  # its state is unknown: never handed to another rollout
             raise
-        loop.envs.release(name, env)
+        if loop.rewards.wants_environments:
+            self.held[rollout.rollout_id] = (name, env)
+        else:
+            loop.envs.release(name, env)
         return prompt, rollout, env_reward
+
+    async def score_with_environments(self, group: RolloutGroup, rollouts: list[Rollout]) -> list[list[float | None]]:
+        """The reward functions on ``group``, those that declare ``environments`` given each rollout's
+        (held since its episode ended); the environments then go back to the pool."""
+        loop = self.loop
+        held = [self.held.pop(r.rollout_id, None) for r in rollouts] if loop.rewards.wants_environments else []
+        try:
+            return await loop.rewards(group, [h[1] if h is not None else None for h in held] if held else None)
+        finally:
+            for h in held:
+                if h is not None:
+                    loop.envs.release(*h)
 
     def _rollout_failed(self, message: str) -> None:
         logger.warning("rollout failed: %s", message)
@@ -287,7 +305,8 @@ class GroupScheduler:
             group, rollouts, position = await self.score_queue.get()
             records.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
             t0 = time.monotonic()
-            queued = self.score(group, await loop.rewards(group), position, [r.rollout_id for r in rollouts])
+            queued = self.score(group, await self.score_with_environments(group, rollouts), position,
+                                [r.rollout_id for r in rollouts])
             for name, count in loop.rewards.take_timeouts().items():
                 records.add(f"rewards/{name}/timeout_count", count)
             records.add("rollout/score_s", time.monotonic() - t0)

@@ -114,13 +114,31 @@ class RewardRunner:
         self.max_timeouts_in_a_row = max_timeouts_in_a_row
         self._timeouts_in_a_row = [0] * len(self.reward_funcs)
         self.timeout_counts: dict[str, int] = {}  # per function name, since the last take_timeouts()
+        self._sees_environments = [declares_environments(f) for f in self.reward_funcs]
 
-    async def __call__(self, group: RolloutGroup) -> list[list[float | None]]:
-        """One list of rewards per function (``None`` where it does not apply or timed out)."""
+    @property
+    def wants_environments(self) -> bool:
+        """Whether a reward function declares ``environments``: each rollout's environment is then held
+        until its group is scored, instead of going back to the pool when the episode ends."""
+        return any(self._sees_environments)
+
+    async def __call__(self, group: RolloutGroup,
+                       environments: Sequence[Any] | None = None) -> list[list[float | None]]:
+        """One list of rewards per function (``None`` where it does not apply or timed out).
+
+        Args:
+            group: The group's prompts, completions and columns.
+            environments: Each rollout's environment, passed as ``environments`` to the functions that
+                declare it: the live object when local; a remote one (async) wrapped for a sync function
+                in a thread so that its tools and methods block (:class:`SyncEnvironment`).
+        """
         kwargs: dict[str, Any] = dict(group.reward_kwargs)
         kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids)
-        return list(await asyncio.gather(*(self._run(i, f, kwargs, len(group.completions))
-                                           for i, f in enumerate(self.reward_funcs))))
+        n = len(group.completions)
+        envs = list(environments) if environments is not None else [None] * n
+        return list(await asyncio.gather(*(
+            self._run(i, f, {**kwargs, "environments": _seen_by(f, envs)} if self._sees_environments[i] else kwargs, n)
+            for i, f in enumerate(self.reward_funcs))))
 
     def take_timeouts(self) -> dict[str, int]:
         """Timed-out calls per function name since the last call."""
@@ -129,8 +147,7 @@ class RewardRunner:
 
     async def _run(self, index: int, func: RewardFunc, kwargs: dict[str, Any], n: int) -> list[float | None]:
         name = reward_func_name(func)
-        # An object with an async __call__ (not a callability test: B004 does not apply).
-        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):  # noqa: B004
+        if _is_async(func):
             call = func(**kwargs)
         else:
             call = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(func, **kwargs))
@@ -156,6 +173,66 @@ class RewardRunner:
         logger.warning("reward function %r ran past reward_timeout=%g s; this group is not scored by it",
                        name, self.timeout_s)
         return [None] * n
+
+
+def declares_environments(func: RewardFunc) -> bool:
+    """Whether ``func`` takes a parameter named ``environments`` (as TRL's GRPOTrainer passes them)."""
+    try:
+        return "environments" in inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def _is_async(func: RewardFunc) -> bool:
+    # An object with an async __call__ (not a callability test: B004 does not apply).
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
+
+
+def _seen_by(func: RewardFunc, envs: list[Any]) -> list[Any]:
+    """The environments as ``func`` gets them: as they are for an async function (it awaits a remote
+    one's methods), remote ones wrapped in a :class:`SyncEnvironment` for a sync one (run in a thread)."""
+    if _is_async(func):
+        return envs
+    loop = asyncio.get_running_loop()
+    return [SyncEnvironment(env, loop) if _is_remote(env) else env for env in envs]
+
+
+def _is_remote(env: Any) -> bool:
+    """A remote environment: its ``reset`` is a coroutine (``RemoteEnvironment``, ``OpenEnvEnvironment``...)."""
+    return env is not None and inspect.iscoroutinefunction(getattr(env, "reset", None))
+
+
+class SyncEnvironment:
+    """A remote (async) environment as a sync reward function running in a thread sees it.
+
+    Every method and tool of the environment is a blocking call here: the coroutine runs on the
+    rollout worker's event loop (``env.state()``, ``env.call("increment", {...})``, a remote
+    ``env.increment(step=1)``); anything else is the environment's attribute itself.
+    """
+
+    def __init__(self, env: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._env = env
+        self._loop = loop
+
+    def __repr__(self) -> str:
+        return f"SyncEnvironment({self._env!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._env, name)
+        if not callable(value):
+            return value
+
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            result = value(*args, **kwargs)
+            if inspect.isawaitable(result):
+                return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
+            return result
+
+        return blocking
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 async def call_reward_funcs(reward_funcs: Sequence[RewardFunc], group: RolloutGroup, executor: Executor | None = None,
