@@ -5,11 +5,13 @@
 2. Starts the env server (``toolgym serve environments.counter:IncrementEnv``) and the real vLLM
    CPU server on the warm model, and shows one sampled turn with its log-probs.
 3. Measures the success rate on fresh evaluation episodes (sampled at temperature 1, never
-   trained on) through those servers.
+   trained on) through those servers with ``toolgym eval`` (its table, and its files in
+   ``<output_dir>/eval-before``; the command is printed, to run again by hand).
 4. Trains with ``AsyncGRPOTrainer`` against the *remote* environment (spawned rollout worker,
    weight syncs into the server every step), with a progress table. The reward is the
    environment's plus a penalty for failed tool calls (:func:`trainer.rewards.tool_error_penalty`).
-5. Measures the success rate again and prints the before/after table and the plots.
+5. Measures the success rate again (``<output_dir>/eval-after``) and prints the before/after table,
+   ``toolgym eval --compare``'s difference with its interval and test, and the plots.
 
 Every process it starts is stopped when it returns::
 
@@ -27,12 +29,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
 
-from toolgym.kit.counter_experiment import counter_config, evaluate_counter, learning_run, warm_model
+from toolgym.cli import eval as eval_cli
+from toolgym.kit.counter_experiment import counter_config, counter_eval_argv, counter_trainer, warm_model
 from trainer.families import families
+from trainer.rollout.eval_results import EvalSummary
 
 
 async def _show_turn(base_url: str, tokenizer: Any) -> None:
@@ -53,6 +58,13 @@ async def _show_turn(base_url: str, tokenizer: Any) -> None:
     for token, lp, top in list(zip(turn.output_ids, turn.output_log_probs, tops, strict=False))[:8]:
         cands = "  ".join(f"{tokenizer.decode([t])!r} {v:.2f}" for t, v in top.items())
         print(f"  {tokenizer.decode([token])!r:>14} {lp:7.3f}   {cands}")
+
+
+def _evaluate(argv: list[str]) -> EvalSummary | None:
+    """``toolgym eval`` with ``argv``, its command printed first; ``None`` when Ctrl-C stopped it."""
+    print(f"\n$ toolgym eval {shlex.join(argv)}")
+    summary, interrupted = eval_cli.evaluate(eval_cli.parse_args(argv))
+    return None if interrupted else summary
 
 
 def main(argv: list[str]) -> int:
@@ -86,18 +98,31 @@ def main(argv: list[str]) -> int:
         env_url = env_server.url
         print(f"env server at {env_url}; vLLM CPU server ready at {server.base_url} in {server.ready_s:.0f} s")
         asyncio.run(_show_turn(server.base_url, AutoTokenizer.from_pretrained(model_dir)))
-        factory = remote_factory(env_url, "IncrementEnv")
-        before = evaluate_counter(server.base_url, model_dir, factory)
-        print(f"\nsuccess before training: {before.success_rate:.1%} ({before.episodes} fresh episodes)\n")
+        out = Path(args.output_dir)
+
+        def eval_argv(folder: str) -> list[str]:
+            return counter_eval_argv(server.base_url, model_dir, f"{env_url}/IncrementEnv", out / folder)
+
+        before = _evaluate(eval_argv("eval-before"))
+        if before is None:
+            return 130
+        print(f"\nsuccess before training: {before.success_rate.value:.1%} ({before.episodes} fresh episodes)\n")
         config = counter_config(args.output_dir, server.base_url, args.steps, args.seed, report_to="tensorboard")
         plots = PlotCallback()
-        run = learning_run(model_dir, factory, config, callbacks=[ProgressCallback(), plots], before=before)
+        trainer = counter_trainer(model_dir, remote_factory(env_url, "IncrementEnv"), config,
+                                  callbacks=[ProgressCallback(), plots])
+        trainer.train()
+        after = _evaluate(eval_argv("eval-after"))
+        if after is None:
+            return 130
 
-    before, after = run.before, run.after
     print(f"\n{'':28}{'before':>10}{'after':>10}")
-    print(f"{'success rate (fresh episodes)':28}{before.success_rate:>10.1%}{after.success_rate:>10.1%}")
+    print(f"{'success rate (fresh episodes)':28}{before.success_rate.value:>10.1%}{after.success_rate.value:>10.1%}")
     print(f"{'tool calls per episode':28}{before.tool_calls_per_episode:>10.2f}{after.tool_calls_per_episode:>10.2f}")
     print(f"{'failed tool calls':28}{before.failed_tool_call_frac:>10.1%}{after.failed_tool_call_frac:>10.1%}")
+    compare = ["--compare", str(out / "eval-before"), str(out / "eval-after")]
+    print(f"\n$ toolgym eval {shlex.join(compare)}")
+    eval_cli.main(compare)
     for path in plots.written:
         print(f"plot: {path}")
     print(f"\ndemo finished in {time.monotonic() - t0:.0f} s; every process it started is stopped")
