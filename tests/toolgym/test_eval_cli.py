@@ -8,19 +8,53 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from envserver import ServerThread
+from toolgym.cli import eval_serving
 from toolgym.cli.eval import EvalArguments, build_parser, load_rows, main, parse_args
 from toolgym.kit.counter_experiment import serve_policy
-from toolgym.launch.vllm_server import VLLMServer
+from toolgym.launch.vllm_server import VLLMServer, free_port
 from trainer.exceptions import ConfigError
 from trainer.rollout.eval_results import EpisodeResult, read_episodes, summarize, write_run
 from trainer.sync.weight_sync import WeightSynchronizer
 
 COUNTER_FLAGS = ["--max_completion_length", "48", "--max_tool_calling_iterations", "8"]
+ROOT = Path(__file__).resolve().parents[2]
+REWARDS = textwrap.dedent("""
+    import time
+    from pathlib import Path
+
+    CALLS = []
+
+
+    def boom(completions, **kwargs):
+        raise RuntimeError("the grader is broken")
+
+
+    def slow(completions, **kwargs):  # the first episode finishes at once; the others later
+        CALLS.append(1)
+        if len(CALLS) == 2:
+            time.sleep(1.0)
+            Path(kwargs["marker"][0]).write_text("one episode has finished")
+        if len(CALLS) > 1:
+            time.sleep(5.0)
+        return [0.0] * len(completions)
+""")
+
+
+def _prompt_rows(path: Path, count: int, **columns: object) -> Path:
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"say {i}"}], **columns}) + "\n"
+                            for i in range(count)))
+    return path
 
 
 def test_every_field_is_a_flag_whose_help_is_its_declaration() -> None:
@@ -110,3 +144,69 @@ def test_a_served_model_is_evaluated_against_an_env_server(
     assert summary["run"]["environment"] == f"{server.url}/counter"
     assert summarize(episodes).success_rate.value > 0  # the warm model reaches some targets
     assert "target=3" in table and "pass@k  k=1:" in table
+
+
+def test_a_server_url_where_no_server_answers_fails_in_seconds(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(eval_serving, "RUNNING_SERVER_WAIT_S", 1.0)
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    assert main(["--vllm_server_base_url", url, "--model", str(tiny_model_dir), "--environment", "counter",
+                 "--output_dir", str(tmp_path / "out")]) == 1
+    assert time.monotonic() - t0 < 30
+    assert f"no vLLM server answers at {url}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_an_env_server_down_stops_at_once_and_a_raising_reward_fails_each_episode(
+    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = ["--vllm_server_base_url", vllm_server.base_url, "--model", str(tiny_model_dir),
+            "--max_completion_length", "8", "--num_generations", "2"]
+    down = f"http://127.0.0.1:{free_port()}/counter"
+    t0 = time.monotonic()
+    assert main([*base, "--environment", down, "--output_dir", str(tmp_path / "down")]) == 1
+    assert time.monotonic() - t0 < 60
+    assert "toolgym eval: " in capsys.readouterr().err
+
+    (tmp_path / "bad_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = _prompt_rows(tmp_path / "rows.jsonl", 3)
+    out = tmp_path / "boom"
+    assert main([*base, "--dataset", str(rows), "--reward_funcs", "bad_rewards:boom", "--output_dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "failed episodes (6): reward function 'boom' raised RuntimeError: the grader is broken" in err
+    episodes = read_episodes(out)
+    assert len(episodes) == 6 and all(e.error and e.reward is None and e.turns == 1 for e in episodes)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_writes_the_episodes_that_finished(
+        vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "slow_rewards.py").write_text(REWARDS)
+    marker = tmp_path / "marker"
+    rows = _prompt_rows(tmp_path / "rows.jsonl", 2, marker=str(marker))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolgym", "eval", "--vllm_server_base_url", vllm_server.base_url, "--model",
+         str(tiny_model_dir), "--dataset", str(rows), "--reward_funcs", "slow_rewards:slow", "--num_generations", "8",
+         "--max_completion_length", "8", "--output_dir", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # one episode scored, the others still in their reward function
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "no episode finished"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, output
+    assert "interrupted: the files hold the episodes that finished" in output
+    episodes = read_episodes(out)
+    assert 1 <= len(episodes) < 16
+    assert json.loads((out / "summary.json").read_text())["run"]["interrupted"] is True

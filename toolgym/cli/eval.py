@@ -300,13 +300,16 @@ class _Progress:
 
 
 def main(argv: list[str]) -> int:
-    """Run ``toolgym eval``; returns the exit status (2 for bad flags or input, 1 for a failed run)."""
+    """Run ``toolgym eval``; returns the exit status: 2 for bad flags or input, 1 for a run that failed
+    (or whose every episode failed), 130 after Ctrl-C."""
     try:
         args = parse_args(argv)
         if args.compare:
             return compare(args)
-        _, interrupted = evaluate(args)
-        return 130 if interrupted else 0
+        summary, interrupted = evaluate(args)
+        if interrupted:
+            return 130
+        return 1 if summary.episodes and summary.failed_episodes == summary.episodes else 0
     except (ToolgymError, ValueError, KeyError) as exc:  # a KeyError: a row routed to no environment
         print(f"toolgym eval: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 2 if isinstance(exc, (ValueError, KeyError)) else 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.exceptions import ConfigError
+from trainer.exceptions import ConfigError, VLLMServerError
 from trainer.records import adapter_name
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ ADAPTER_NAME = "toolgym-eval"
 """The adapter's name prefix on the server; requests ask for ``toolgym-eval-v0`` (policy version 0)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``--max-lora-rank`` values vLLM accepts."""
+RUNNING_SERVER_WAIT_S = 30.0
+"""How long a ``--vllm_server_base_url`` server may take to answer before the evaluation gives up."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,18 @@ def _load_adapter(base_url: str, model: str, timeout_s: float) -> None:
                           f"(toolgym vllm BASE_MODEL --enable_lora --max_lora_rank R); {exc}") from exc
 
 
+def _check_running(base_url: str) -> None:
+    from trainer.vllm.admin import VLLMAdminClient
+    from trainer.vllm.server_info import read_server_info
+
+    try:
+        read_server_info(VLLMAdminClient(base_url, timeout_s=RUNNING_SERVER_WAIT_S))
+    except VLLMServerError as exc:
+        raise VLLMServerError(f"no vLLM server answers at {base_url} (waited {RUNNING_SERVER_WAIT_S:g} s): start "
+                              "one (toolgym vllm MODEL), or leave out --vllm_server_base_url to serve --model here",
+                              exc.message) from None
+
+
 @contextlib.contextmanager
 def served_model(args: EvalArguments, output_dir: Path) -> Iterator[ServedModel]:
     """The server for ``args``: the running one at ``--vllm_server_base_url``, else one started on
@@ -79,12 +93,14 @@ def served_model(args: EvalArguments, output_dir: Path) -> Iterator[ServedModel]
     Raises:
         ConfigError: ``--model`` is not a directory (and no server is given), or an adapter's base model
             is not one.
-        VLLMServerError: The server did not start or does not answer.
+        VLLMServerError: The server did not start, or a running one does not answer within
+            :data:`RUNNING_SERVER_WAIT_S`.
     """
     adapter = adapter_config(args.model) if args.model else None
     base = str(adapter.get("base_model_name_or_path") or "") if adapter else args.model
     lora_name = ADAPTER_NAME if adapter else None
     if args.vllm_server_base_url is not None:
+        _check_running(args.vllm_server_base_url)
         if adapter:
             _load_adapter(args.vllm_server_base_url, args.model, args.vllm_server_timeout)
         tokenizer = _tokenizer_source(args.model, base) if args.model else ""
