@@ -78,7 +78,7 @@ from trainer.training.stall import StallReport, StallWatch
 from trainer.training.step_guard import StepGuard
 from trainer.training.tree_attention import enable_tree_attention
 from trainer.vllm.admin import VLLMAdminClient
-from trainer.vllm.server_info import candidate_path, dtype_mismatch, read_server_info
+from trainer.vllm.server_info import ServerInfo, candidate_path, dtype_mismatch, read_server_info
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
@@ -391,74 +391,100 @@ class AsyncGRPOTrainer(Trainer):
             self.feed = None
 
     def get_train_dataloader(self) -> MicroBatchStream | StepFeed:  # type: ignore[override]
-        """Start the rollout worker and return the micro-batch stream that replaces the DataLoader.
+        """Start the pipeline and return the micro-batch stream that replaces the DataLoader.
 
-        With several processes only rank 0 does that; the others get the :class:`StepFeed` through
-        which rank 0 sends them each step's micro-batches (see :meth:`get_batch_samples`).
+        Four steps: where to start (:meth:`_resume_position`), the vLLM server read once and the weight
+        sync connected (:meth:`_connect_server`), the rollout worker started (:meth:`_start_worker`), the
+        stream over its queue (:meth:`_make_stream`). With several processes only rank 0 does that; the
+        others get the :class:`StepFeed` through which rank 0 sends them each step's micro-batches
+        (see :meth:`get_batch_samples`).
         """
         args = self.args
-        world = self.accelerator.num_processes
-        start = int(self._resume_state.get("first_untrained_position", 0))
-        done = [int(p) for p in self._resume_state.get("done_positions", [])]  # trained past `start`
-        streaming = is_stream(self.rollout_dataset)
-        if streaming and (start or done):
-            logger.warning("train_dataset is a stream, which cannot be repositioned: the rollout worker starts "
-                           "again from its first prompt (the checkpoint had trained up to position %d)", start)
-            start, done = 0, []
-        version = int(self._resume_state.get("policy_version", 0))
-        self._policy_version = self._requested_version = version
-        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
+        start, done, version = self._resume_position()
         admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
-        if world > 1:
+        if self.accelerator.num_processes > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
                 if self.is_fsdp_enabled:  # it gathers with rank 0, so it learns the way of the syncs too
                     self._policy_sync.connect(admin, read_server_info(admin), sharded=True)
                 self.feed.wait_ready()
                 return self.feed
-        server = read_server_info(admin)  # waits for the server up to vllm_server_timeout
-        token_budget = args.token_budget or server.max_model_len
-        candidates = candidate_path(server, args.top_k, args.top_p, args.min_p)
+        server = self._connect_server(admin, version)
+        self.worker = self._start_worker(server, start, done, version)
+        self.stream = self._make_stream(args.token_budget or server.max_model_len, start, done, version)
+        if self.feed is not None:
+            self.feed.mark_ready()
+        return self.stream
+
+    def _resume_position(self) -> tuple[int, list[int], int]:
+        """(first untrained prompt, prompts past it already trained, policy version) to start from."""
+        start = int(self._resume_state.get("first_untrained_position", 0))
+        done = [int(p) for p in self._resume_state.get("done_positions", [])]  # trained past `start`
+        if is_stream(self.rollout_dataset) and (start or done):
+            logger.warning("train_dataset is a stream, which cannot be repositioned: the rollout worker starts "
+                           "again from its first prompt (the checkpoint had trained up to position %d)", start)
+            start, done = 0, []
+        version = int(self._resume_state.get("policy_version", 0))
+        self._policy_version = self._requested_version = version
+        self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
+        return start, done, version
+
+    def _connect_server(self, admin: VLLMAdminClient, version: int) -> ServerInfo:
+        """Read the server once (waiting for it up to ``vllm_server_timeout``), connect the weight sync,
+        and bring a resumed policy (or adapter version 0) to the server."""
+        server = read_server_info(admin)
         mismatch = dtype_mismatch(server, str(next(self.model.parameters()).dtype).removeprefix("torch."))
         if mismatch:
             logger.warning(mismatch)
-        ctx = spawn_context()
-        rule = cast(AllowanceRule, args.staleness_allowance)  # one of them: AsyncGRPOConfig checks it
-        self._allowance = StalenessAllowance(rule, args.max_staleness,
-                                             token_budget * world * args.gradient_accumulation_steps)
-        channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
-                                         epoch_size=0 if self.rollout_dataset is None or streaming
-                                         else len(self.rollout_dataset))
         self._policy_sync.connect(admin, server, sharded=self.is_fsdp_enabled)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if (version > 0 or self._policy_sync.adapter is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._policy_sync.sync(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
+        return server
+
+    def _start_worker(self, server: ServerInfo, start: int, done: list[int], version: int) -> RolloutWorker:
+        """The rollout worker with its settings, channels and staleness allowance (started now, or with
+        FSDP once training begins: :meth:`_start_sharded`)."""
+        args = self.args
+        token_budget = args.token_budget or server.max_model_len
+        rule = cast(AllowanceRule, args.staleness_allowance)  # one of them: AsyncGRPOConfig checks it
+        self._allowance = StalenessAllowance(rule, args.max_staleness, token_budget * self.accelerator.num_processes
+                                             * args.gradient_accumulation_steps)
+        ctx = spawn_context()
+        sized = self.rollout_dataset is not None and not is_stream(self.rollout_dataset)
+        channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
+                                         epoch_size=len(self.rollout_dataset) if sized else 0)
         adapter = self._policy_sync.adapter
         settings = RolloutSettings.from_config(
-            args, self.model_id, server, chat_template=self.rollout_chat_template, candidates=candidates,
+            args, self.model_id, server, chat_template=self.rollout_chat_template,
+            candidates=candidate_path(server, args.top_k, args.top_p, args.min_p),
             lora_name=adapter.lora_name if adapter is not None else None)
         loop_kwargs: dict[str, Any] = dict(
             processing_class=self.processing_class, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
             tools=self.tools, environment_factory=self.environment_factory, dataset_start_index=start,
             dataset_skip_positions=done, **self.rollout_loop_kwargs())
-        self.worker = RolloutWorker(self.loop_cls, settings, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
+        worker = RolloutWorker(self.loop_cls, settings, loop_kwargs, channels, args.rollout_worker_timeout, ctx)
         if not self.is_fsdp_enabled:
-            self.worker.start()
+            worker.start()
+        return worker
+
+    def _make_stream(self, token_budget: int, start: int, done: list[int], version: int) -> MicroBatchStream:
+        """The micro-batch stream over the worker's queue, stopping at the epochs asked for."""
+        args = self.args
+        assert self.worker is not None  # _start_worker ran
         stop, stop_epochs = None, None
         if not self._explicit_max_steps and self.rollout_dataset is not None:
-            if streaming:  # its size is known once the worker's first pass ends
+            if is_stream(self.rollout_dataset):  # its size is known once the worker's first pass ends
                 stop_epochs = args.num_train_epochs
             else:
                 stop = int(round(args.num_train_epochs * len(self.rollout_dataset)))
-        self.stream = MicroBatchStream(self.worker, world, token_budget, args.max_staleness, self.metrics,
-                                       start_position=start, stop_position=stop, keep_samples=args.log_completions,
-                                       done_positions=done, stop_epochs=stop_epochs,
-                                       share_prefixes=args.packing == "tree",
-                                       stall=StallWatch(args.stall_timeout, self._report_stall))
-        self.stream.policy_version = version
-        if self.feed is not None:
-            self.feed.mark_ready()
-        return self.stream
+        stream = MicroBatchStream(self.worker, self.accelerator.num_processes, token_budget, args.max_staleness,
+                                  self.metrics, start_position=start, stop_position=stop,
+                                  keep_samples=args.log_completions, done_positions=done, stop_epochs=stop_epochs,
+                                  share_prefixes=args.packing == "tree",
+                                  stall=StallWatch(args.stall_timeout, self._report_stall))
+        stream.policy_version = version
+        return stream
 
     def _start_sharded(self) -> None:
         """FSDP: the base Trainer shards the model, and loads a resumed checkpoint into it, only after
