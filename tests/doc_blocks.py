@@ -161,9 +161,10 @@ def run_script(text: str, work: Path, timeout_s: float, env: Mapping[str, str] |
 
 
 def scratch_checkout(work: Path) -> Path:
-    """``work`` set up as a scratch copy of the repository root: ``.venv`` and ``.cache`` are the repository's own."""
+    """``work`` set up as a scratch copy of the repository root: ``.venv``, ``.cache`` and ``examples`` are the
+    repository's own."""
     work.mkdir(parents=True, exist_ok=True)
     (ROOT / ".cache").mkdir(exist_ok=True)
-    for name in (".venv", ".cache"):
+    for name in (".venv", ".cache", "examples"):
         (work / name).symlink_to(ROOT / name)
     return work

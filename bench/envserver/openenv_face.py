@@ -1,12 +1,14 @@
 """Benchmark: OpenEnv's own client against toolgym's OpenEnv face and against OpenEnv's own server.
 
-    .venv/bin/python bench/envserver/openenv_face.py                    # ~3 min: 16 and 1,024 sessions
-    .venv/bin/python bench/envserver/openenv_face.py --sessions 1024 --duration 10 --clients 4
+    .venv/bin/python bench/envserver/openenv_face.py                    # ~15 min: 16 and 1,024 sessions
+    .venv/bin/python bench/envserver/openenv_face.py --sessions 1024 --repeat 1  # one round, ~4 min
 
 The same counter on both servers: toolgym serves ``environments.counter:IncrementEnv`` at
 ``/openenv/counter`` (a step is OpenEnv's call-tool action for ``increment``, answered with the
 reward ``get_reward()`` gives after it); OpenEnv 0.10 serves ``openenv_counter.py``, the same logic
-in its action style (``{"step": 1}``). One server process each, pinned to CPU 0, one after the other.
+in its action style (``{"step": 1}``). One server process each, pinned to CPU 0, one after the other,
+``--repeat`` rounds with the order alternating (the table shows each figure's median: a shared
+machine's load moves the figures between phases).
 The load is OpenEnv's ``GenericEnvClient`` (async, one per session, each its own WebSocket) in
 ``--clients`` processes of the OpenEnv venv (``make setup`` makes ``.cache/openenv/venv``) pinned to
 CPU 1: every session opens and resets, then all call ``step`` in a closed loop for ``--duration``
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", default="16,1024", help="comma-separated session counts")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of calls per phase")
     parser.add_argument("--clients", type=int, default=4, help="client processes (all on CPU 1)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds, the servers' order alternating; the table shows per-figure medians")
     args = parser.parse_args(argv)
     if not OPENENV_PYTHON.exists():
         parser.error(f"{OPENENV_PYTHON.relative_to(ROOT)} is missing: run `make setup`")
@@ -123,16 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     run.OPENENV_VENV = OPENENV_PYTHON.parents[1]
     counts = [int(s) for s in args.sessions.split(",")]
     print(f"load average before: {os.getloadavg()}", flush=True)
-    results: dict[str, dict[int, dict[str, Any]]] = {}
-    for kind in ("toolgym", "openenv"):
-        server = run.Server(kind)
-        try:
-            results[kind] = {}
-            for count in counts:
-                results[kind][count] = phase(kind, server, count, args.clients, args.duration)
-                print(f"  {kind} {count:>5} sessions: {json.dumps(results[kind][count])}", flush=True)
-        finally:
-            server.stop()
+    rounds: dict[str, list[dict[int, dict[str, Any]]]] = {"toolgym": [], "openenv": []}
+    for index in range(args.repeat):
+        for kind in ("toolgym", "openenv")[index % 2:] + ("toolgym", "openenv")[:index % 2]:  # alternate the order
+            server = run.Server(kind)
+            try:
+                rounds[kind].append({})
+                for count in counts:
+                    rounds[kind][-1][count] = phase(kind, server, count, args.clients, args.duration)
+                    print(f"  round {index + 1} {kind} {count:>5} sessions: {json.dumps(rounds[kind][-1][count])}",
+                          flush=True)
+            finally:
+                server.stop()
+    results = {kind: run.median_of(runs) for kind, runs in rounds.items()}
     print(f"load average after: {os.getloadavg()}", flush=True)
     print("\n| figure | toolgym /openenv/counter | OpenEnv 0.10 | ratio |\n|---|---|---|---|")
     for count in counts:
