@@ -87,15 +87,14 @@ def test_a_run_s_processes_together_hold_at_most_its_ceiling(containment, peaks)
             f"        block = bytearray({share})\n        print('child held', len(block), flush=True)\n"
             "        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\n"
             "print([os.waitpid(pid, 0)[1] for pid in pids])")
-    with HostMemory() as host:
-        result = run_python(code, DEFAULT_LIMITS)
+    result = run_python(code, DEFAULT_LIMITS)
     assert result.out_of_memory and not result.ok and not result.timed_out, result
     statuses = result.output.splitlines()[-1]
     assert result.output.count("child held") <= 2 and "9" in statuses.strip("[]").split(", ")  # a child: SIGKILL
-    # The host's MemAvailable moves with other work too; the kernel's own count of the run is exact.
+    # The host's MemAvailable moves with other work too (a CI run saw it fall 930 MiB beside this test);
+    # the kernel's own count of the run is exact. That the run gave everything back is the
+    # ``containment`` fixture's check: its cgroup was removed, which the kernel refuses while it holds a process.
     assert len(peaks) == 1 and peaks[0] <= memory_ceiling(DEFAULT_LIMITS), peaks
-    now = host.settled(shmem_slack=16 * MiB, available_slack=256 * MiB)
-    assert host.before["MemAvailable"] - now["MemAvailable"] <= 256 * MiB
 
 
 def test_kernel_memory_of_the_run_s_files_counts_against_its_ceiling(containment):

@@ -161,6 +161,8 @@ class MicroBatchStream:
                     self._receive(group)
                     if self.stall is not None:
                         self.stall.received(group)
+                        if block:  # dropped groups may arrive faster than the poll: the wait is checked here too
+                            self.stall.waiting()
                 position, sample = self._buffer.popleft()
             if self.policy_version - sample.policy_version <= self.max_staleness:
                 if self.stall is not None:
@@ -169,6 +171,8 @@ class MicroBatchStream:
             self.metrics.add("sample/dropped_stale_count", 1)
             if self.stall is not None:
                 self.stall.stale()
+                if block:
+                    self.stall.waiting()
             self._taken(position)
 
     def _wait_for_group(self) -> QueuedGroup:

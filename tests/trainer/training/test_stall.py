@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from trainer.exceptions import PipelineStalledError
+from trainer.metrics import MetricWindow
 from trainer.records import QueuedGroup
+from trainer.training.batching import MicroBatchStream
 from trainer.training.stall import StallReport, StallWatch
 
 
@@ -66,3 +68,38 @@ def test_the_report_names_every_reason() -> None:
     report.dropped["filtered"] = 2
     text = report.message()
     assert "2 filtered out by filter_prompt" in text and "0 with every rollout failed" in text
+
+
+class DroppedForever:
+    """A worker whose queue is never empty and never trainable: a dropped group arrives at every call,
+    each a second after the last on the watch's clock, so the poll's timeout never fires."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def get(self, timeout_s: float | None = None) -> QueuedGroup:
+        self.clock.now += 1.0
+        assert self.clock.now < 1000, "the watch never stopped the wait"
+        return QueuedGroup(0, 0, dropped="zero_spread")
+
+    def qsize(self) -> int:
+        return 1
+
+    def queued_samples(self) -> int:
+        return 0
+
+    def epoch_size(self) -> int | None:
+        return None
+
+    def add_consumed_tokens(self, tokens: int) -> None:
+        pass
+
+
+def test_a_stream_of_dropped_groups_stops_at_the_timeout_not_later() -> None:
+    clock, reports = Clock(), []
+    watch = StallWatch(60.0, reports.append, warn_after_s=6.0, clock=clock)
+    stream = MicroBatchStream(DroppedForever(clock), num_rows=1, token_budget=64, max_staleness=0,
+                              metrics=MetricWindow(), stall=watch)
+    with pytest.raises(PipelineStalledError, match=r"no trainable sample for 60 s of waiting"):
+        next(stream)
+    assert clock.now == 60.0 and len(reports) == 9, "a warning every 6 s, then the stop at 60 s"
