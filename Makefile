@@ -13,7 +13,7 @@ setup:
 	@bash scripts/setup.sh "$(PYTHON)" "$(VENV)"
 
 test: setup
-	@$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
 
 demo: setup
 	@$(PY) -m toolgym demo $(DEMO_ARGS)
