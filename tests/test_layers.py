@@ -31,8 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.vllm", "trainer.families",
                 "trainer.rollout", "trainer.training", "trainer.sync", "trainer.api", "toolgym"},
 }
-API = {"async_grpo_trainer", "harness_trainer", "construction_checks"}
-"""The trainer's top modules that tie every layer together: the public trainers and their construction checks."""
+API = {"async_grpo_trainer", "harness_trainer", "construction_checks", "step_callback"}
+"""The trainer's top modules that tie every layer together: the trainers, their checks and step callback."""
 
 
 def layer_of(module: str) -> str | None:

@@ -17,9 +17,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,12 +35,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.checkpoint import ROLLOUT_STATE, StagedCheckpoints
 from trainer.config import AsyncGRPOConfig
-from trainer.construction_checks import check_construction, check_output_head
+from trainer.construction_checks import check_construction, check_dataset, check_output_head, check_picklable
 from trainer.exceptions import ConfigError, PipelineStalledError
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from trainer.reporting import CompletionRecord, report_completions
-from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.eval_in_training import (
     EpochEvaluation,
@@ -52,18 +50,19 @@ from trainer.rollout.eval_in_training import (
     request_evaluation,
 )
 from trainer.rollout.loop import AsyncRolloutLoop
-from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
+from trainer.rollout.prompt_order import is_stream
 from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.tool_runner import tools_from_functions
 from trainer.rollout.training_templates import rollout_chat_template
 from trainer.rollout.worker import RolloutWorker, WorkerChannels, spawn_context
+from trainer.step_callback import PipelineCallback
 from trainer.sync.policy_sync import PolicySync
-from trainer.training.batching import FORWARDED_PER_STEP, UNPACKED_PER_STEP, MicroBatch, MicroBatchStream
+from trainer.training.batching import MicroBatch, MicroBatchStream
 from trainer.training.compile import CompileTracker, RowBuckets, compile_decoder_layers, use_compiled_step
 from trainer.training.compile_cache import use_compile_cache
 from trainer.training.compile_warmup import CompileWarmUp, expected_lengths, grpo_step
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
-from trainer.training.flops import FlopModel, matmul_dtype, peak_flops, row_flops
+from trainer.training.flops import FlopModel, row_flops
 from trainer.training.fsdp import enable_fsdp_on_cpu
 from trainer.training.loss import (
     LossConfig,
@@ -83,98 +82,6 @@ from trainer.vllm.server_info import ServerInfo, candidate_path, dtype_mismatch,
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
 logger = logging.getLogger(__name__)
-MAX_PROMPTS_CHECKED = 100_000  # a bigger dataset's later rows are checked where the worker reads them
-
-
-def _check_picklable(**objects: Any) -> None:
-    for name, obj in objects.items():
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else [(None, obj)]
-        for key, item in items:
-            if item is None:
-                continue
-            try:
-                pickle.dumps(item)
-            except Exception as exc:
-                where = name if key is None else f"{name}[{key!r}]"
-                raise TypeError(
-                    f"{where} ({item!r}) cannot be pickled, and it must reach the rollout worker, a spawned "
-                    f"process: use a module-level function, functools.partial or a callable class instance, "
-                    f"not a lambda or closure ({type(exc).__name__}: {exc})") from exc
-
-
-def _validate_dataset(dataset: Any, has_env: bool) -> None:
-    """Refuse, before anything starts, a dataset the worker could not generate from.
-
-    Every prompt of a map-style dataset is checked (up to ``MAX_PROMPTS_CHECKED``), so a bad row fails
-    here naming itself rather than in the worker mid-run; a stream's first row is checked here and
-    every row where the worker reads it.
-    """
-    if dataset is None:
-        return
-    streaming = is_stream(dataset)
-    if not streaming and len(dataset) == 0:
-        raise ConfigError("train_dataset is empty: give it at least one row")
-    if streaming and next(iter(dataset), None) is None:
-        raise ConfigError("train_dataset (a stream) yielded no row: give it at least one")
-    columns = first_row_columns(dataset)
-    if "prompt" not in columns:
-        if not has_env:
-            raise ConfigError(f"train_dataset has no 'prompt' column (columns: {columns}); give conversational "
-                              "prompts, or an environment_factory whose reset() returns the prompt")
-        return
-    if streaming:
-        prompts: Iterable[Any] = [next(iter(dataset))["prompt"]]
-    elif hasattr(dataset, "column_names"):  # a datasets.Dataset: read the one column, not whole rows
-        prompts = dataset.select(range(min(len(dataset), MAX_PROMPTS_CHECKED)))["prompt"]
-    else:
-        prompts = (dataset[i]["prompt"] for i in range(min(len(dataset), MAX_PROMPTS_CHECKED)))
-    for index, prompt in enumerate(prompts):
-        check_prompt(prompt, f"train_dataset row {index}")
-        refuse_image_parts(prompt)  # every prompt again where the worker renders it
-
-
-class _PipelineCallback(TrainerCallback):
-    """Step timing, weight sync, allowance updates and the epoch stop, around each optimizer step."""
-
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
-        self.trainer = trainer
-        self._step_start = time.perf_counter()
-        self._opt_start = 0.0
-        self._applied_since_sync = 0  # optimizer steps applied (not skipped by the step guard) since the last sync
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._start_sharded()
-        self._step_start = time.perf_counter()
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._step_fwd_bwd_s = self.trainer._step_fwd_s = self.trainer._step_flops = 0.0
-        self.trainer._step_groups = set()
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._policy_sync.wait(block=False)  # the optimizer is about to change the weights it reads
-        if self.trainer._step_guard.check(self.trainer.model, state.global_step + 1):
-            self.trainer.metrics.add("batch/skipped_nonfinite_step_count", 1)
-        else:
-            self._applied_since_sync += 1
-        self._opt_start = time.perf_counter()
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer.metrics.add("perf/optimizer_s", time.perf_counter() - self._opt_start)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        t = self.trainer
-        # Skipped steps change nothing: a sync after only those would send the same weights as a new version.
-        if state.global_step % args.weight_sync_steps == 0 and self._applied_since_sync:
-            self._applied_since_sync = 0
-            t._requested_version += 1  # not _policy_version + 1: an overlapped sync publishes it later
-            t._policy_sync.sync(t._requested_version, overlap=True)
-        t._end_of_step(time.perf_counter() - self._step_start)
-        self._step_start = time.perf_counter()
-        if not t._explicit_max_steps and t._step_feed_state.epoch_done:
-            control.should_training_stop = True
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer._policy_sync.wait()  # the last step's sync: its error is the run's
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -228,9 +135,49 @@ class AsyncGRPOTrainer(Trainer):
         tools: list[Callable[..., Any]] | None = None,
         environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
     ) -> None:
-        model_id = model if isinstance(model, str) else model.config._name_or_path
+        model_id = str(model if isinstance(model, str) else model.config._name_or_path)
+        args = self._checked_inputs(model_id, reward_funcs, args, train_dataset, eval_dataset, peft_config,
+                                    environment_factory)
+        model, processing_class = self._load(model, model_id, processing_class, args)
+        # Checked at start: a template that is not prefix-preserving is replaced, for the rollouts, by a
+        # shipped training template when it is of a known family, else a warning says turns will fork.
+        template_kwargs = dict(cast("dict[str, Any] | None", args.chat_template_kwargs) or {})
+        self.rollout_chat_template = rollout_chat_template(
+            processing_class, [t.schema for t in tools_from_functions(tools)] or None,
+            **template_kwargs) if tools or environment_factory else None
+        model = self._prepare_model(model, args, peft_config)
+        if self._compile_tracker is not None and args.world_size == 1 and args.packing == "tree":
+            callbacks = [*(callbacks or []), self._compile_warm_up(model, args)]
+        self.model_id = model_id
+        self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.rollout_dataset = train_dataset
+        self._explicit_max_steps = args.max_steps > 0
+        if not self._explicit_max_steps:
+            # The epoch count stops the run; the base Trainer needs a step limit, so this trainer's own
+            # copy of the config gets a safety cap (the caller's config stays as given, reusable).
+            args = copy.copy(args)
+            args.max_steps = 10**9
+        self._init_pipeline_state()
+        super().__init__(model=model, args=args, train_dataset=None, eval_dataset=self.eval_rows,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
+        self.add_callback(PipelineCallback(self))
+        self.add_callback(EpochEvaluation())  # after the pipeline's: it reads the epoch that callback sets
+        self._policy_sync = PolicySync(self.accelerator, lambda: self.model, self.model_id, self.args,
+                                      self._frozen_weights, self.metrics, self._publish_version)
+        self.loss_config = LossConfig(epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                                      score_centering=args.score_centering,
+                                      clip_min=args.vllm_importance_sampling_clip_min,
+                                      clip_max=args.vllm_importance_sampling_clip_max)
+
+    # ------------------------------------------------------------------------------ construction
+    def _checked_inputs(self, model_id: str, reward_funcs: Any, args: AsyncGRPOConfig | None, train_dataset: Any,
+                        eval_dataset: Any, peft_config: Any, environment_factory: Any) -> AsyncGRPOConfig:
+        """The config (a default one when ``None``), after refusing what the trainer cannot run
+        (:mod:`trainer.construction_checks`); sets ``eval_rows``, the evaluation rows when evaluation is asked for."""
         if args is None:
-            args = AsyncGRPOConfig(output_dir=f"{Path(str(model_id)).name}-AsyncGRPO")
+            args = AsyncGRPOConfig(output_dir=f"{Path(model_id).name}-AsyncGRPO")
         if not isinstance(args, AsyncGRPOConfig):
             raise ConfigError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
         if train_dataset is None and environment_factory is None:
@@ -238,30 +185,36 @@ class AsyncGRPOTrainer(Trainer):
         if train_dataset is None and args.max_steps <= 0:
             raise ConfigError("without a train_dataset the environment owns the data, so the run has no epochs: "
                               "set max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
-        _validate_dataset(train_dataset, environment_factory is not None or not self.prompt_column_required)
-        _validate_dataset(eval_dataset, environment_factory is not None or not self.prompt_column_required)
+        has_env = environment_factory is not None or not self.prompt_column_required
+        check_dataset(train_dataset, has_env)
+        check_dataset(eval_dataset, has_env, "eval_dataset")
         wants_eval = args.eval_strategy != "no" or args.eval_on_start or eval_dataset is not None
         self.eval_rows = eval_rows(eval_dataset, args.eval_num_rows, environment_factory is not None) \
             if wants_eval else None
         check_construction(reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, peft_config=peft_config,
                            environment_factory=environment_factory)
+        return args
+
+    def _load(self, model: str | PreTrainedModel, model_id: str, processing_class: Any,
+              args: AsyncGRPOConfig) -> tuple[PreTrainedModel, Any]:
+        """The model (loaded from ``model`` when it is an id or directory) and its tokenizer (pad token: EOS
+        when it has none); a vision tower is frozen here, neither trained nor synced."""
         # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
         init_kwargs = dict(cast("dict[str, Any] | None", args.model_init_kwargs) or {})
         if isinstance(model, str):
             init_kwargs.setdefault("dtype", getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
             model = load_model(model, trust_remote_code=args.trust_remote_code, **init_kwargs)
-        self._frozen_weights = freeze_outside_language_model(model)  # vision tower: not trained, not synced
+        self._frozen_weights = freeze_outside_language_model(model)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 model_id, trust_remote_code=args.trust_remote_code, revision=init_kwargs.get("revision"))
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        # Checked at start: a template that is not prefix-preserving is replaced, for the rollouts, by a
-        # shipped training template when it is of a known family, else a warning says turns will fork.
-        template_kwargs = dict(cast("dict[str, Any] | None", args.chat_template_kwargs) or {})
-        self.rollout_chat_template = rollout_chat_template(
-            processing_class, [t.schema for t in tools_from_functions(tools)] or None,
-            **template_kwargs) if tools or environment_factory else None
+        return model, processing_class
+
+    def _prepare_model(self, model: PreTrainedModel, args: AsyncGRPOConfig, peft_config: Any) -> PreTrainedModel:
+        """The model as it trains: PEFT-wrapped if asked, MoE router loss, tree attention for packed rows,
+        its FLOP model, and its decoder layers compiled where ``compile_training_step`` says so."""
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -282,23 +235,18 @@ class AsyncGRPOTrainer(Trainer):
                 self._row_buckets = RowBuckets(args.compile_row_bucket)
             compile_decoder_layers(model, dynamic=self._row_buckets is None)
             self._compile_tracker = CompileTracker(announce=args.process_index == 0)
-            if args.world_size == 1 and args.packing == "tree":  # trainer.training.compile_warmup
-                bucket = args.compile_row_bucket
-                callbacks = [*(callbacks or []), CompileWarmUp(
-                    model, grpo_step(model, args.temperature, lambda: self.compute_loss_context_manager()),
-                    lambda: expected_lengths(self.stream.token_budget if self.stream else None, bucket),
-                    pad=self._row_buckets, device=args.device, tracker=self._compile_tracker)]
-        self.model_id = str(model_id)
-        self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
-        self.tools = list(tools or [])
-        self.environment_factory = environment_factory
-        self.rollout_dataset = train_dataset
-        self._explicit_max_steps = args.max_steps > 0
-        if not self._explicit_max_steps:
-            # The epoch count stops the run; the base Trainer needs a step limit, so this trainer's own
-            # copy of the config gets a safety cap (the caller's config stays as given, reusable).
-            args = copy.copy(args)
-            args.max_steps = 10**9
+        return model
+
+    def _compile_warm_up(self, model: PreTrainedModel, args: AsyncGRPOConfig) -> CompileWarmUp:
+        """The callback that compiles the expected step shapes before the first step (training/compile_warmup.py)."""
+        bucket = args.compile_row_bucket
+        return CompileWarmUp(
+            model, grpo_step(model, args.temperature, lambda: self.compute_loss_context_manager()),
+            lambda: expected_lengths(self.stream.token_budget if self.stream else None, bucket),
+            pad=self._row_buckets, device=args.device, tracker=self._compile_tracker)
+
+    def _init_pipeline_state(self) -> None:
+        """The pipeline's parts (made when training starts) and the step's counters."""
         self.metrics = MetricWindow()
         self.worker: RolloutWorker | None = None
         self.stream: MicroBatchStream | None = None  # type: ignore[assignment]
@@ -314,16 +262,6 @@ class AsyncGRPOTrainer(Trainer):
         self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
         self._loss_stats: list[dict[str, torch.Tensor]] = []
         self._step_guard = StepGuard()  # a step with non-finite gradients is skipped, never applied or synced
-        super().__init__(model=model, args=args, train_dataset=None, eval_dataset=self.eval_rows,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-        self.add_callback(_PipelineCallback(self))
-        self.add_callback(EpochEvaluation())  # after the pipeline's: it reads the epoch that callback sets
-        self._policy_sync = PolicySync(self.accelerator, lambda: self.model, self.model_id, self.args,
-                                      self._frozen_weights, self.metrics, self._publish_version)
-        self.loss_config = LossConfig(epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                                      score_centering=args.score_centering,
-                                      clip_min=args.vllm_importance_sampling_clip_min,
-                                      clip_max=args.vllm_importance_sampling_clip_max)
 
     def create_accelerator_and_postprocess(self) -> None:
         """The base accelerator, with accelerate's FSDP2 path also on for a multi-process CPU run."""
@@ -336,7 +274,7 @@ class AsyncGRPOTrainer(Trainer):
         self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
     ) -> Any:
         """Train until the epochs are done (or ``max_steps``); always stops the rollout worker."""
-        _check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
+        check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
                          environment_factory=self.environment_factory, loop_cls=self.loop_cls,
                          **self.rollout_loop_kwargs())
         if resume_from_checkpoint is True:
@@ -574,55 +512,6 @@ class AsyncGRPOTrainer(Trainer):
             self.stream.policy_version = version
         if self.worker is not None:
             self.worker.channels.policy_version.value = version
-
-    def _end_of_step(self, step_s: float) -> None:
-        args = self.args
-        consumed, wait_s, per_step = self.stream.take_step_stats() if self.stream is not None else (0, 0.0, {})
-        if self.worker is not None and self._allowance is not None and consumed > 0:  # docs/pipeline.md
-            self.worker.channels.token_allowance.value = self._allowance.after_step(
-                consumed, int(per_step.get(UNPACKED_PER_STEP, 0)), int(per_step.get(FORWARDED_PER_STEP, 0)))
-        forwarded, trained = self._step_tokens
-        self._step_tokens = (0, 0)
-        self._num_tokens += forwarded
-        m = self.metrics
-        for name, value in per_step.items():
-            m.add(name, value)
-        m.add("batch/microbatches_per_step", args.gradient_accumulation_steps)
-        m.add("perf/step_s", step_s)
-        m.add("perf/rollout_wait_s", wait_s)
-        m.add("perf/weight_sync_wait_s", self._policy_sync.take_wait_s())
-        m.add("perf/fwd_bwd_s", self._step_fwd_bwd_s)
-        m.add("perf/fwd_s", self._step_fwd_s)
-        m.add("batch/groups_per_step", len(self._step_groups))
-        if self._compile_tracker is not None:
-            compile_s, compiles = self._compile_tracker.take()
-            m.add("perf/compile_s", compile_s)
-            m.add("perf/compile_count", compiles)
-        m.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self._step_fwd_bwd_s)
-        m.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-        m.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
-        peak = self._peak_flops()
-        if peak and self._step_flops:  # trainer.training.flops: every row's FLOPs over every device's peak
-            devices_peak = peak * self.accelerator.num_processes
-            m.add_rate("perf/fwd_bwd_mfu", self._step_flops / devices_peak, self._step_fwd_bwd_s)
-            m.add_rate("perf/wall_clock_mfu", self._step_flops / devices_peak, step_s)
-        if self.worker is not None:
-            m.add_records(self.worker.drain_metrics())
-        if self.rollout_dataset is not None:
-            size = (len(self.rollout_dataset) if not is_stream(self.rollout_dataset)
-                    else self.worker.epoch_size() if self.worker is not None else None)
-            done = self._step_feed_state.first_untrained
-            if self.stream is not None and self.stream.stop_position is not None:
-                done = min(done, self.stream.stop_position)  # prompts past the epoch limit are not trained
-            if size:
-                self.state.epoch = done / size
-
-    def _peak_flops(self) -> float | None:
-        """One training device's peak FLOP/s at the precision its matmuls run in (None: unknown, warned)."""
-        if self._flop_model is None:
-            return None
-        dtype = matmul_dtype(next(self.model.parameters()).dtype, self.accelerator.mixed_precision)
-        return peak_flops(self.args.device, dtype)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the window's pipeline metrics to the Trainer's logs (loss, grad_norm, learning_rate)."""

@@ -4,25 +4,30 @@
 combination the trainer cannot run fails at once with what to do instead, not at the first step or in the
 rollout worker. Refused here: a reward model (a model id or a ``PreTrainedModel``) as a reward function,
 ``use_liger_kernel=True``, a PEFT config whose adapters target ``lm_head`` (the chunked LM head needs a
-plain ``nn.Linear``), and a dict ``environment_factory`` over a dataset whose ``environment`` column is
-missing or names an environment the dict does not have. ``remove_unused_columns`` and
+plain ``nn.Linear``), and a dict ``environment_factory`` with no dataset, or over one whose ``environment``
+column is missing or names an environment the dict does not have. :func:`check_dataset` refuses a dataset
+the worker could not generate from (empty, no prompts, a malformed prompt) and :func:`check_picklable`
+what cannot reach the spawned rollout worker. ``remove_unused_columns`` and
 ``ignore_data_skip`` are refused by :class:`~trainer.config.AsyncGRPOConfig` itself.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
 from trainer.exceptions import ConfigError
-from trainer.rollout.prompt_order import first_row_columns
+from trainer.rollout.chat_template import refuse_image_parts
+from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
 
-__all__ = ["check_construction", "check_output_head"]
+__all__ = ["check_construction", "check_dataset", "check_output_head", "check_picklable"]
 
 HEAD_NAMES = ("lm_head",)
 MAX_ROUTING_ROWS_CHECKED = 100_000  # a bigger map-style dataset's routing is checked row by row at rollout
+MAX_PROMPTS_CHECKED = 100_000  # a bigger dataset's later rows are checked where the worker reads them
 
 
 def _check_reward_funcs(reward_funcs: Any) -> None:
@@ -73,10 +78,15 @@ def check_output_head(model: nn.Module) -> None:
 
 
 def _check_routing(environment_factory: Any, train_dataset: Any) -> None:
-    if not isinstance(environment_factory, dict) or train_dataset is None:
+    if not isinstance(environment_factory, dict):
         return
-    columns = first_row_columns(train_dataset)
     names = sorted(environment_factory)
+    if train_dataset is None:
+        raise ConfigError(
+            f"environment_factory is a dict ({names}) and there is no train_dataset: each rollout's environment is "
+            "picked by a dataset row's 'environment' column. Give a train_dataset with that column (and any "
+            "columns the environments' reset() reads), or pass a single factory")
+    columns = first_row_columns(train_dataset)
     if "environment" not in columns:
         raise ConfigError(
             f"environment_factory is a dict ({names}), so each dataset row picks its environment in an "
@@ -98,3 +108,51 @@ def check_construction(*, reward_funcs: Any, args: Any, train_dataset: Any, peft
                           "chunked LM head; set use_liger_kernel=False")
     _check_peft_config(peft_config)
     _check_routing(environment_factory, train_dataset)
+
+
+def check_picklable(**objects: Any) -> None:
+    """Refuse, naming it, an object that cannot reach the rollout worker (a spawned process): a lambda, a closure."""
+    for name, obj in objects.items():
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else [(None, obj)]
+        for key, item in items:
+            if item is None:
+                continue
+            try:
+                pickle.dumps(item)
+            except Exception as exc:
+                where = name if key is None else f"{name}[{key!r}]"
+                raise TypeError(
+                    f"{where} ({item!r}) cannot be pickled, and it must reach the rollout worker, a spawned "
+                    f"process: use a module-level function, functools.partial or a callable class instance, "
+                    f"not a lambda or closure ({type(exc).__name__}: {exc})") from exc
+
+
+def check_dataset(dataset: Any, has_env: bool, name: str = "train_dataset") -> None:
+    """Refuse, before anything starts, a dataset the worker could not generate from.
+
+    Every prompt of a map-style dataset is checked (up to ``MAX_PROMPTS_CHECKED``), so a bad row fails
+    here naming itself rather than in the worker mid-run; a stream's first row is checked here and
+    every row where the worker reads it.
+    """
+    if dataset is None:
+        return
+    streaming = is_stream(dataset)
+    if not streaming and len(dataset) == 0:
+        raise ConfigError(f"{name} is empty: give it at least one row")
+    if streaming and next(iter(dataset), None) is None:
+        raise ConfigError(f"{name} (a stream) yielded no row: give it at least one")
+    columns = first_row_columns(dataset)
+    if "prompt" not in columns:
+        if not has_env:
+            raise ConfigError(f"{name} has no 'prompt' column (columns: {columns}); give conversational "
+                              "prompts, or an environment_factory whose reset() returns the prompt")
+        return
+    if streaming:
+        prompts: Iterable[Any] = [next(iter(dataset))["prompt"]]
+    elif hasattr(dataset, "column_names"):  # a datasets.Dataset: read the one column, not whole rows
+        prompts = dataset.select(range(min(len(dataset), MAX_PROMPTS_CHECKED)))["prompt"]
+    else:
+        prompts = (dataset[i]["prompt"] for i in range(min(len(dataset), MAX_PROMPTS_CHECKED)))
+    for index, prompt in enumerate(prompts):
+        check_prompt(prompt, f"{name} row {index}")
+        refuse_image_parts(prompt)  # every prompt again where the worker renders it

@@ -90,6 +90,20 @@ def test_a_dict_environment_factory_needs_an_environment_column(tiny_model_dir: 
     assert trainer.environment_factory is factories
 
 
+def test_a_dict_environment_factory_without_a_dataset_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    factories = {"counter": CounterEnv, "other": CounterEnv}
+    with pytest.raises(ConfigError, match=r"environment_factory is a dict \(\['counter', 'other'\]\) and there is no "
+                                          r"train_dataset: each rollout's environment is picked by a dataset row"):
+        _trainer(tiny_model_dir, tmp_path, environment_factory=factories, train_dataset=None)
+    trainer = _trainer(tiny_model_dir, tmp_path, environment_factory=CounterEnv, train_dataset=None)
+    assert trainer.rollout_dataset is None  # one factory: the environment owns the data
+
+
+def test_an_eval_dataset_is_checked_under_its_own_name(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"eval_dataset has no 'prompt' column"):
+        _trainer(tiny_model_dir, tmp_path, eval_dataset=Dataset.from_dict({"question": ["q"]}))
+
+
 def test_ignore_data_skip_must_stay_true(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ignore_data_skip must stay True"):
         _config(tmp_path, ignore_data_skip=False)
