@@ -595,6 +595,5 @@ class AsyncGRPOTrainer(Trainer):
             self._checkpoints = StagedCheckpoints(self.accelerator.wait_for_everyone, self.is_world_process_zero())
         run_dir = super()._get_output_dir(trial)
         rollout_state = self.stream.state() if self.stream is not None and self.is_world_process_zero() else None
-        with self._checkpoints.saving(run_dir, self.state.global_step, rollout_state, self.args.save_total_limit,
-                                      self.state.best_model_checkpoint):
+        with self._checkpoints.saving(run_dir, self.state, rollout_state, self.args.save_total_limit):
             super()._save_checkpoint(model, trial)

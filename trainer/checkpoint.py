@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from trainer.exceptions import CheckpointSaveError
@@ -51,16 +53,19 @@ class StagedCheckpoints:
         return str(self.staging_root) if self.staging_root is not None else run_dir
 
     @contextmanager
-    def saving(self, run_dir: str | os.PathLike[str], step: int, rollout_state: dict[str, Any] | None,
-               save_total_limit: int | None, best_model_checkpoint: str | None) -> Iterator[None]:
+    def saving(self, run_dir: str | os.PathLike[str], state: TrainerState, rollout_state: dict[str, Any] | None,
+               save_total_limit: int | None) -> Iterator[None]:
         """Run the base save inside this block; on success ``checkpoint-<step>`` appears whole.
+
+        The base save names the best checkpoint (``metric_for_best_model``) inside the run directory it
+        wrote into, the staging one, and only if that folder holds it: the block names its published
+        place instead (in ``state`` and in the saved ``trainer_state.json``), and rotation spares it.
 
         Args:
             run_dir: The real run directory (``output_dir``).
-            step: The global step being saved.
+            state: The base ``Trainer``'s state (its ``global_step`` is the step being saved).
             rollout_state: What ``rollout_state.json`` records (rank 0), or ``None`` to write none.
             save_total_limit: The rotation limit, applied once the new checkpoint is in place.
-            best_model_checkpoint: Protected from the rotation.
 
         Raises:
             CheckpointSaveError: the save failed (disk full, permissions...); earlier checkpoints
@@ -68,7 +73,7 @@ class StagedCheckpoints:
         """
         run = Path(run_dir)
         staging = run / STAGING_DIR
-        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         self.barrier()
         if self.is_main:
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
@@ -81,9 +86,11 @@ class StagedCheckpoints:
             if self.is_main:
                 if rollout_state is not None:
                     (staging / name / ROLLOUT_STATE).write_text(json.dumps(rollout_state, indent=2))
+                if _name_published_best(state, run) and (staging / name / TRAINER_STATE_NAME).exists():
+                    state.save_to_json(str(staging / name / TRAINER_STATE_NAME))
                 _publish(staging / name, run / name)
                 rotate_checkpoints(output_dir=str(run), save_total_limit=save_total_limit,
-                                   best_model_checkpoint=best_model_checkpoint, use_mtime=True)
+                                   best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
         except Exception as exc:  # ENOSPC arrives as OSError, or wrapped by safetensors / torch.save
             if self.is_main:
                 shutil.rmtree(staging, ignore_errors=True)  # frees the space the partial save took
@@ -96,6 +103,18 @@ class StagedCheckpoints:
             self.staging_root = None
         if self.is_main:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _name_published_best(state: TrainerState, run: Path) -> bool:
+    """Point ``state.best_model_checkpoint`` at the best step's published folder; whether it changed."""
+    if not state.best_global_step:
+        return False
+    best = run / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+    if state.best_global_step != state.global_step and not best.exists():
+        return False  # rotated out, or saved by an earlier run: transformers' own rule keeps what it had
+    changed = state.best_model_checkpoint != str(best)
+    state.best_model_checkpoint = str(best)
+    return changed
 
 
 def _publish(source: Path, target: Path) -> None:

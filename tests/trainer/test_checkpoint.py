@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import TrainerState
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.checkpoint import ROLLOUT_STATE, STAGING_DIR, StagedCheckpoints
@@ -15,8 +16,8 @@ from trainer.exceptions import CheckpointSaveError
 
 def _save(checkpoints: StagedCheckpoints, run: Path, step: int, fail: BaseException | None = None) -> None:
     """What the base Trainer does inside the block: write files under the run dir it is given."""
-    with checkpoints.saving(run, step, {"first_untrained_position": step}, save_total_limit=2,
-                            best_model_checkpoint=None):
+    with checkpoints.saving(run, TrainerState(global_step=step), {"first_untrained_position": step},
+                            save_total_limit=2):
         folder = Path(checkpoints.output_dir(str(run))) / f"checkpoint-{step}"
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"weights")
@@ -57,3 +58,22 @@ def test_a_save_killed_half_way_is_invisible_and_cleared_by_the_next(tmp_path: P
     assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-1"), "resume picks the whole one"
     _save(checkpoints, tmp_path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_the_best_checkpoint_is_named_where_it_is_published_and_spared_by_the_rotation(tmp_path: Path) -> None:
+    checkpoints = StagedCheckpoints(barrier=lambda: None, is_main=True)
+    state = TrainerState(best_global_step=1)
+    for step in (1, 2, 3):
+        state.global_step = step
+        with checkpoints.saving(tmp_path, state, None, save_total_limit=2):
+            staged = Path(checkpoints.output_dir(str(tmp_path)))
+            folder = staged / f"checkpoint-{step}"
+            folder.mkdir(parents=True)
+            best = staged / "checkpoint-1"
+            if best.exists():  # transformers' rule: the best folder under the run dir it writes into
+                state.best_model_checkpoint = str(best)
+            state.save_to_json(str(folder / "trainer_state.json"))
+        assert state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-3"]  # the best is kept
+    saved = json.loads((tmp_path / "checkpoint-1" / "trainer_state.json").read_text())
+    assert saved["best_model_checkpoint"] == str(tmp_path / "checkpoint-1")

@@ -89,7 +89,9 @@ def test_evaluation_runs_beside_training_and_never_trains(
     serve_policy(vllm_server.base_url, warm_counter_model_dir)
     config = counter_config(tmp_path, vllm_server.base_url, steps=2, num_generations=4, log_completions=True,
                             num_completions_to_print=1, eval_strategy="steps", eval_steps=1, eval_on_start=True,
-                            eval_num_generations=3, eval_group_by="target", max_staleness=1)
+                            eval_num_generations=3, eval_group_by="target", max_staleness=1,
+                            save_strategy="steps", save_steps=1, metric_for_best_model="success_rate",
+                            greater_is_better=True, load_best_model_at_end=True)
     tokenizer = AutoTokenizer.from_pretrained(warm_counter_model_dir)
     trained = _TrainedPrompts(tokenizer)
     trainer = AsyncGRPOTrainer(
@@ -112,3 +114,7 @@ def test_evaluation_runs_beside_training_and_never_trains(
     assert json.loads((tmp_path / "eval" / "step-1" / "summary.json").read_text())["run"]["step"] == 1
     assert trained.texts and not any(f"to {EVAL_ONLY_TARGET}." in text for text in trained.texts)
     assert any("to 1." in text or "to 2." in text for text in trained.texts)
+    # transformers' best-checkpoint choice reads eval_success_rate: the best of the saved steps 1 and 2.
+    best = max(evals[1:], key=lambda h: h["eval_success_rate"])
+    assert trainer.state.best_metric == best["eval_success_rate"]
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best['step']}")
