@@ -195,6 +195,13 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_importance_sampling_clip_max: float = field(
         default=5.0, metadata={"help": "Tokens whose importance ratio is above this are dropped from the loss."}
     )
+    tail_token_prob: float | None = field(
+        default=1e-3,
+        metadata={"help": "Train each rollout up to and including its first tail token, a token sampled with "
+                  "less than this times the probability of its position's most likely token (vLLM's min_p "
+                  "rule); its later tokens stay as context but are not trained (docs/loss.md). None or 0: "
+                  "train every sampled token."},
+    )
     num_sampler_logprobs: int = field(
         default=8,
         metadata={"help": "Sampler top log-probs requested per generated token (score centering's H_t); "
@@ -376,6 +383,10 @@ class AsyncGRPOConfig(TrainingArguments):
         for name in ("max_concurrent_rollouts", "weight_sync_steps", "max_completion_length", "num_sampler_logprobs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tail_token_prob is not None and not 0 <= self.tail_token_prob < 1:
+            raise ConfigError(f"tail_token_prob={self.tail_token_prob} must be in [0, 1) (or None to train every "
+                              "sampled token); 1e-3 leaves out only what follows a token drawn at under a "
+                              "thousandth of its position's most likely one")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
         if self.staleness_allowance == "source":

@@ -35,6 +35,7 @@ DEFAULTS = {
     "vllm_importance_sampling_clip_min": 0.5,
     "vllm_importance_sampling_clip_max": 5.0,
     "num_sampler_logprobs": 8,
+    "tail_token_prob": 1e-3,
     "token_budget": None,
     "max_concurrent_rollouts": 512,
     "max_staleness": 4,
@@ -112,6 +113,8 @@ INVALID = [
     ({"token_budget": 0}, r"token_budget=0 must be >= 1"),
     ({"dtype": "float64"}, r"dtype='float64' must be one of"),
     ({"staleness_allowance": "steps"}, r"staleness_allowance='steps' must be one of \('capacity', 'consumed'\)"),
+    ({"tail_token_prob": 1.0}, r"tail_token_prob=1.0 must be in \[0, 1\)"),
+    ({"tail_token_prob": -0.1}, r"tail_token_prob=-0.1 must be in \[0, 1\)"),
 ]
 
 
@@ -136,6 +139,8 @@ def test_invalid_raises_config_error(make_config, kwargs, match):
     {"dtype": "bfloat16"},
     {"temperature": 0.01},
     {"staleness_allowance": "consumed"},
+    {"tail_token_prob": None},
+    {"tail_token_prob": 0.0},
 ])
 def test_valid_edge_values(make_config, kwargs):
     config = make_config(**kwargs)

@@ -35,6 +35,7 @@ from trainer.rollout.prompt_order import PromptRow, check_prompt, is_stream, map
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.scoring import is_degenerate, reward_func_name, sum_rewards
 from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
+from trainer.rollout.tail import train_until_tail
 from trainer.rollout.worker import WorkerChannels
 
 if TYPE_CHECKING:
@@ -354,6 +355,10 @@ class GroupScheduler:
         for i, seqs in enumerate(group.completions_sequences):
             if mask_truncated and group.truncated[i]:
                 continue  # masked: out of the baseline above, and out of the loss
+            seqs, untrained = train_until_tail(seqs, loop.settings.tail_token_prob)
+            loop.records.add_rate("rollout/tail_truncated_frac", int(untrained > 0), 1)
+            loop.records.add_rate("rollout/tail_untrained_frac", untrained,
+                                  untrained + sum(seq.num_trained for seq in seqs))
             for seq in seqs:
                 queued.samples.append(TrainingSample(
                     sequence=seq, advantage=float(advantages[i]), group_id=group.group_id,

@@ -71,6 +71,8 @@ class RolloutSettings:
         reward_timeout: Seconds one reward function may take on one group (``None``: no limit).
         env_call_timeout: Seconds one call of a local environment or tool may take (``None``: no limit).
         mask_truncated_completions: Leave rollouts cut at ``max_completion_length`` out of training.
+        tail_token_prob: Train each rollout only up to its first token sampled at under this fraction of
+            its position's most likely token's probability (:mod:`trainer.rollout.tail`; ``None``: every token).
     """
 
     model_name: str
@@ -95,6 +97,7 @@ class RolloutSettings:
     reward_timeout: float | None = _default("reward_timeout")
     env_call_timeout: float | None = _default("env_call_timeout")
     mask_truncated_completions: bool = _default("mask_truncated_completions")
+    tail_token_prob: float | None = _default("tail_token_prob")
 
     @classmethod
     def from_config(cls, config: AsyncGRPOConfig, model_name: str, server: ServerInfo, *,
