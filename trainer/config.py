@@ -202,6 +202,15 @@ class AsyncGRPOConfig(TrainingArguments):
                   "rule); its later tokens stay as context but are not trained (docs/loss.md). None or 0: "
                   "train every sampled token."},
     )
+    turn_baseline: bool = field(
+        default=True,
+        metadata={"help": "Credit each turn of a multi-turn rollout relative to the rollouts of its group that "
+                  "reached the same state (the same tokens up to that turn): its tokens get the rollout's "
+                  "advantage minus those rollouts' mean advantage, so a later turn is not credited with what "
+                  "earlier turns already decided (trainer/rollout/turn_baseline.py). A turn whose state no "
+                  "other rollout reached keeps the rollout's advantage. False: every token gets the rollout's "
+                  "advantage (GRPO)."},
+    )
     num_sampler_logprobs: int = field(
         default=8,
         metadata={"help": "Sampler top log-probs requested per generated token (score centering's H_t); "

@@ -164,7 +164,8 @@ class TrainingSample:
 
     Args:
         sequence: The token layout.
-        advantage: The rollout's advantage, shared by every trained token of the sequence.
+        advantage: The rollout's advantage, given to every trained token of the sequence unless
+            ``token_advantages`` says otherwise.
         group_id: The group the rollout belongs to (the packer keeps a group in one row).
         policy_version: Policy version that generated the rollout (its group's first turn).
         row_index: Dataset row of the prompt.
@@ -174,6 +175,9 @@ class TrainingSample:
         reward_group_std: Standard deviation of its group's summed rewards (what the advantages are
             divided by), logged as ``reward_group_std`` when the sample trains.
         reward_func_group_stds: The same per reward source (``rewards/{name}/group_std``).
+        token_advantages: Per token of ``sequence``, the advantage its trained tokens are given
+            instead of ``advantage`` (the turn baseline, :mod:`trainer.rollout.turn_baseline`);
+            ``None``: ``advantage`` for every trained token.
     """
 
     sequence: TrainingSequence
@@ -186,6 +190,7 @@ class TrainingSample:
     rollout_id: str = ""
     reward_group_std: float = 0.0
     reward_func_group_stds: dict[str, float] = field(default_factory=dict)
+    token_advantages: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ from trainer.rollout.reconcile import reconcile_turns
 from trainer.rollout.scoring import is_degenerate, reward_func_name, sum_rewards
 from trainer.rollout.stats import group_stds, record_group_metrics, record_rollout_metrics
 from trainer.rollout.tail import train_until_tail
+from trainer.rollout.turn_baseline import turn_advantages
 from trainer.rollout.worker import WorkerChannels
 
 if TYPE_CHECKING:
@@ -352,19 +353,24 @@ class GroupScheduler:
             return queued
         std, func_stds = group_stds(sources, trained_rewards)
         now = time.time()
+        trained = ~np.isnan(trained_rewards)  # scored, and not masked as truncated
+        per_token: list[list[list[float] | None]] = [[None] * len(seqs) for seqs in group.completions_sequences]
+        if loop.settings.turn_baseline:
+            per_token, shared, turns = turn_advantages(group.completions_sequences, advantages, trained)
+            loop.records.add_rate("rollout/turn_baseline_frac", shared, turns)
         for i, seqs in enumerate(group.completions_sequences):
             if mask_truncated and group.truncated[i]:
                 continue  # masked: out of the baseline above, and out of the loss
-            seqs, untrained = train_until_tail(seqs, loop.settings.tail_token_prob)
+            kept, untrained = train_until_tail(seqs, loop.settings.tail_token_prob)
             loop.records.add_rate("rollout/tail_truncated_frac", int(untrained > 0), 1)
             loop.records.add_rate("rollout/tail_untrained_frac", untrained,
-                                  untrained + sum(seq.num_trained for seq in seqs))
-            for seq in seqs:
+                                  untrained + sum(seq.num_trained for seq in kept))
+            for seq, token_advantages in zip(kept, per_token[i], strict=False):  # the tail drops only later ones
                 queued.samples.append(TrainingSample(
                     sequence=seq, advantage=float(advantages[i]), group_id=group.group_id,
                     policy_version=group.policy_version, row_index=group.row_index,
                     reward=float(group.rewards[i]), queued_at=now,
                     rollout_id=rollout_ids[i] if rollout_ids else "", reward_group_std=std,
-                    reward_func_group_stds=func_stds))
+                    reward_func_group_stds=func_stds, token_advantages=token_advantages))
         queued.tokens = sum(s.num_tokens for s in queued.samples)
         return queued

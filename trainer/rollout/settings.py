@@ -73,6 +73,8 @@ class RolloutSettings:
         mask_truncated_completions: Leave rollouts cut at ``max_completion_length`` out of training.
         tail_token_prob: Train each rollout only up to its first token sampled at under this fraction of
             its position's most likely token's probability (:mod:`trainer.rollout.tail`; ``None``: every token).
+        turn_baseline: Credit each turn against the group's rollouts that reached its state
+            (:mod:`trainer.rollout.turn_baseline`).
     """
 
     model_name: str
@@ -98,6 +100,7 @@ class RolloutSettings:
     env_call_timeout: float | None = _default("env_call_timeout")
     mask_truncated_completions: bool = _default("mask_truncated_completions")
     tail_token_prob: float | None = _default("tail_token_prob")
+    turn_baseline: bool = _default("turn_baseline")
 
     @classmethod
     def from_config(cls, config: AsyncGRPOConfig, model_name: str, server: ServerInfo, *,

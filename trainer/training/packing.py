@@ -269,7 +269,8 @@ class _TrainedTokens:
                     continue
                 out.pred_index.append(index[path[i - 1]])  # token i is predicted at position i - 1
                 out.target_ids.append(seq.input_ids[i])
-                out.advantages.append(sample.advantage)
+                out.advantages.append(sample.advantage if sample.token_advantages is None
+                                      else sample.token_advantages[i])
                 out.sampler_logprobs.append(seq.sampler_logprobs[i])
                 out.token_sample.append(s)
                 out.top_logprobs.append((seq.sampler_top_logprobs[i] if seq.sampler_top_logprobs else None) or {})
