@@ -73,16 +73,17 @@ def counter_config(output_dir: str | Path, base_url: str, steps: int, seed: int 
         seed: The trainer's seed (prompt order, initialisation of anything random).
         **overrides: Other ``AsyncGRPOConfig`` fields (``max_staleness``, ``report_to``, ...).
 
-    The learning rate, 2e-4, decays linearly to 0. At a constant 3e-4 single steps moved some
-    token log-probs by 5-10 nats and one 15-step run collapsed in its last two steps (training
-    reward 0.64 -> 0.11, held-out success 25 % -> 0 %); decaying 3e-4 gained +30.6 to +41.7 points
-    over four seeds but dipped mid-run and collapsed once more in CI; 2e-4 gained +23.6 to +27.8,
-    with no collapse (``bench/e2e/README.md``).
+    The learning rate, 3e-4, decays linearly to 0. Before the trainer trained rollouts only up to
+    their first tail token (``tail_token_prob``) and credited each turn against the rollouts that
+    reached its state (``turn_baseline``), 3e-4 collapsed runs (a derailed rollout's gradient
+    steered whole steps; the final turn's fragments were reinforced by the first call's reward),
+    and 2e-4 still collapsed trainer seed 3; with both, 3e-4 learns faster and holds
+    (``bench/e2e/README.md``).
     """
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir), vllm_server_base_url=base_url, max_steps=steps,
         num_generations=8, max_completion_length=48, max_tool_calling_iterations=8, mask_truncated_completions=True,
-        learning_rate=2e-4, lr_scheduler_type="linear",
+        learning_rate=3e-4, lr_scheduler_type="linear",
         gradient_accumulation_steps=4, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, max_staleness=2)
     fields.update(overrides)

@@ -356,7 +356,8 @@ class GroupScheduler:
         trained = ~np.isnan(trained_rewards)  # scored, and not masked as truncated
         per_token: list[list[list[float] | None]] = [[None] * len(seqs) for seqs in group.completions_sequences]
         if loop.settings.turn_baseline:
-            per_token, shared, turns = turn_advantages(group.completions_sequences, advantages, trained)
+            per_token, shared, turns = turn_advantages(group.completions_sequences, advantages.tolist(),
+                                                       trained.tolist())
             loop.records.add_rate("rollout/turn_baseline_frac", shared, turns)
         for i, seqs in enumerate(group.completions_sequences):
             if mask_truncated and group.truncated[i]:
