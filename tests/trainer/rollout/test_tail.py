@@ -72,7 +72,7 @@ def test_the_loop_trains_each_rollout_until_its_tail_and_logs_how_many(tmp_path:
     group.rollout_rewards = [1.0, 0.0]
     group.completions_sequences = [[sequence([LIKELY, RARE, LIKELY])], [sequence([LIKELY, LIKELY, LIKELY])]]
     try:
-        queued = loop._score(group, [], position=0)
+        queued = loop.scheduler.score(group, [], position=0)
     finally:
         loop.executor.shutdown()
     assert [s.sequence.loss_mask for s in queued.samples] == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.trainer.rollout.test_scoring import _scoring_loop, make_group
+from tests.trainer.rollout.test_scoring import STUB_TOKENIZER, make_group, stub_settings
 from trainer.records import TrainingSample, TrainingSequence
+from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.scoring import group_advantages
 from trainer.rollout.turn_baseline import turn_advantages
 from trainer.training.packing import build_row
@@ -69,14 +69,14 @@ def test_token_advantages_reach_the_packed_row() -> None:
 
 
 @pytest.mark.parametrize("turn_baseline", [True, False])
-def test_the_loop_credits_turns_against_shared_states(tmp_path: Path, turn_baseline: bool) -> None:
-    loop = _scoring_loop(tmp_path, mask=False)
-    loop.config.turn_baseline = turn_baseline
+def test_the_loop_credits_turns_against_shared_states(turn_baseline: bool) -> None:
+    loop = AsyncRolloutLoop(stub_settings(mask_truncated_completions=False, turn_baseline=turn_baseline),
+                            STUB_TOKENIZER)
     group = make_group(3)
     group.rollout_rewards = [1.0, 1.0, 0.0]
     group.completions_sequences = [[two_turns(5, 50)], [two_turns(5, 51)], [two_turns(4, 40)]]
     try:
-        queued = loop._score(group, [], position=0)
+        queued = loop.scheduler.score(group, [], position=0)
     finally:
         loop.executor.shutdown()
     rows = [build_row([s]).advantages.tolist() for s in queued.samples]
