@@ -46,7 +46,7 @@ class ProgressCallback(TrainerCallback):
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, soft_wrap=True)  # a row stays one line in a log file too
         self._header_done = False
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:

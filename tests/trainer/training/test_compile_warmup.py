@@ -112,3 +112,12 @@ def test_the_progress_table_shows_the_seconds_a_step_waited_for_compilation() ->
     assert len(header) == len(row)  # cells under their titles
     _, row = _progress({"perf/step_s": 1.5, "perf/compile_s": 0.0, "perf/compile_count": 0}).splitlines()
     assert row.split()[-2:] == ["1.5", "-"]
+
+
+def test_a_row_stays_one_line_in_a_narrow_log_file() -> None:
+    callback = ProgressCallback()
+    callback.console.file = io.StringIO()  # not a terminal: rich's width is 80, narrower than a full row
+    logs = {"loss": 0.1, "reward": 0.5, "perf/step_s": 14.0, "perf/compile_s": 12.3, "perf/compile_count": 2}
+    callback.on_log(None, SimpleNamespace(global_step=3, is_world_process_zero=True), None, logs=logs)
+    header, row = str(callback.console.file.getvalue()).splitlines()
+    assert len(header) > 80 and header.split()[-2:] == ["compile", "s"] and row.split()[-1] == "12.3"
