@@ -20,6 +20,17 @@ bf16, gradient checkpointing, the fused loss), the ``--steps`` rows of ``bench_p
   is what the trainer then spends on the steps. After the sequence, the first row again
   (``--fixed-repeats`` times): the fixed-row tokens/s that the varying rows' steady state is held to.
 
+``--dynamic`` compiles the layers with dynamic shapes instead (``compile_row_bucket=None``: rows not
+padded, the warm-up compiles one row of the budget's length); ``--bucket 16384 --warm-buckets 1``
+pads every row to the budget (one static graph). ``--inductor`` sets inductor options of the runs
+(JSON), to measure compile-time trades. Each result (the JSON after its table line) has
+``phases_s``: the seconds of each of dynamo's timed compile phases in the process (nested, so they
+overlap: ``bytecode_tracing`` is dynamo's tracing, ``create_aot_dispatcher_function`` AOT autograd
+with inductor inside it, ``fw_compiler_base`` / ``bw_compiler`` inductor's forward and backward,
+``async_compile.wait`` the wait for Triton's compile workers, ``AOTAutogradCache.inductor_load`` a
+warm cache's load); and ``tuned_kernels``, the Triton kernels autotuned (fla's; their seconds are in
+the compile seconds, ``CompileTracker``).
+
 ``--hybrid`` adds the Qwen3.5-2B-shaped Gated DeltaNet hybrid (``bench_hybrid.QWEN3_5_2B``, the
 ``auto`` delta rule: fla where installed and checked) with the compiled step and no warm-up: its
 first and second step, cold then warm (``--hybrid-timeout`` seconds per process).
@@ -56,6 +67,15 @@ def _cache_counters() -> dict[str, int]:
     return {k: int(v) for k, v in counters["inductor"].items() if "cache" in k}
 
 
+def _phases() -> dict[str, float]:
+    """Seconds of each of dynamo's timed compile phases in this process (tracing, AOT autograd,
+    inductor's lowering and code generation, waiting for Triton's compile workers, cache loads)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {k: round(sum(v), 2) for k, v in sorted(compilation_time_metrics.items(), key=lambda kv: -sum(kv[1]))
+            if sum(v) >= 0.05}
+
+
 def _hybrid_model(device: str) -> torch.nn.Module:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -79,14 +99,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         vocab = spec["vocab_size"]
     budget = BUDGET if args.model != "tiny" else 512
     rows = [r.to(device) for r in varying_rows(vocab, args.steps, budget, scale=1 if args.model != "tiny" else 10)]
+    if args.inductor:  # inductor options of this run (compile-time trades), e.g. '{"triton.autotune_pointwise": false}'
+        import torch._inductor.config as inductor_config
+
+        inductor_config.patch(json.loads(args.inductor)).__enter__()
     tracker = CompileTracker(announce=False)
-    buckets = RowBuckets(args.bucket) if compiled else None
+    buckets = RowBuckets(args.bucket) if compiled and not args.dynamic else None
     if compiled and device == "cuda":
-        compile_decoder_layers(model, dynamic=False)
+        compile_decoder_layers(model, dynamic=args.dynamic)
     setup_s = time.perf_counter() - started
     warm_s, warm_compiles = 0.0, (0.0, 0)
     if compiled and args.warm_buckets and args.model != "hybrid":
-        lengths = expected_lengths(budget, args.bucket)[:args.warm_buckets]
+        lengths = expected_lengths(budget, None if args.dynamic else args.bucket)[:args.warm_buckets]
         warm = CompileWarmUp(model, grpo_step(model, 1.0), lambda: lengths, pad=buckets, device=device)
         warm.start()
         warm.wait()
@@ -111,6 +135,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "stalls": [round(t, 1) for t, (_, n) in zip(times, compiles, strict=True) if n],
         "steady_tok_s": steady_tps, "fixed_tok_s": fixed_tps, "tokens": [r.num_unique_tokens for r in rows],
         "cache_counters": _cache_counters(), "process_s": time.perf_counter() - started,
+        "phases_s": _phases(), "tuned_kernels": tracker.tuned,
     }
     if args.model == "hybrid":
         from trainer.training.delta_rule import _fla_installed, fla_usable
@@ -124,7 +149,8 @@ def run_child(model: str, run: str, folder: Path, args: argparse.Namespace, time
     """``run`` of ``model`` (``steps`` rows) in a fresh process whose compile cache is ``folder``."""
     command = [sys.executable, __file__, "--child", "--model", model, "--run", run, "--steps", str(steps),
                "--bucket", str(args.bucket), "--warm-buckets", str(args.warm_buckets),
-               "--fixed-repeats", str(args.fixed_repeats)]
+               "--fixed-repeats", str(args.fixed_repeats), "--inductor", args.inductor]
+    command += ["--dynamic"] if args.dynamic else []
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, CACHE_ENV: str(folder), "PYTHONPATH": path}
     start = time.perf_counter()
@@ -169,6 +195,9 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=1024, help="compile_row_bucket")
     parser.add_argument("--warm-buckets", type=int, default=4, help="largest buckets the warm-up compiles")
     parser.add_argument("--fixed-repeats", type=int, default=3)
+    parser.add_argument("--dynamic", action="store_true",
+                        help="compiled runs: dynamic-shape layers, rows not padded (compile_row_bucket=None)")
+    parser.add_argument("--inductor", default="", help="inductor options of the compiled runs, as JSON")
     parser.add_argument("--hybrid", action="store_true", help="the Qwen3.5-2B hybrid's first steps, cold and warm")
     parser.add_argument("--hybrid-timeout", type=float, default=300.0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
