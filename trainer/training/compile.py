@@ -15,7 +15,10 @@ length reuses the graph. The fused LM-head loss is compiled separately, with dyn
 :class:`CompileTracker` turns compilation into metrics instead of silent stalls: the seconds spent
 compiling and the number of compilations of each step go to ``perf/compile_s`` and
 ``perf/compile_count`` (both shown by the progress display at each log), and a log line says when
-a compilation starts.
+a compilation starts. Triton autotuning outside torch's compiler counts as compilation too: a kernel
+tuned at its first call for a new key (``fla``'s Gated DeltaNet kernels: each of their configs
+compiled and benchmarked, minutes in all from an empty cache on one H200) adds its seconds and one
+compilation, and each tuning of a second or more is logged as it ends.
 
 CPU keeps the eager step: compiling there needs a C++ toolchain at run time and was not measured
 faster on the tiny models this machine trains.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +41,59 @@ from trainer.training.tree_attention import unwrap_model
 __all__ = ["CompileTracker", "RowBuckets", "compile_decoder_layers", "decoder_layers", "use_compiled_step"]
 
 logger = logging.getLogger(__name__)
+
+TuningListener = Callable[[str, float], None]
+_tuning_listeners: list[TuningListener] = []
+_tuning_lock = threading.Lock()
+_tuning_watched = False
+_NOT_BENCHED = -1.0
+
+
+def _timed_autotuner_run(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Autotuner.run`` that tells the listeners how long a call that benchmarked its configs took
+    (Triton sets ``bench_time`` only then: not on a key already tuned, nor on a hit of its disk cache)."""
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _tuning_listeners:
+            return original(self, *args, **kwargs)
+        self.bench_time = _NOT_BENCHED
+        start = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        if getattr(self, "bench_time", _NOT_BENCHED) != _NOT_BENCHED:
+            spent = time.perf_counter() - start  # each config's compilation, its benchmark, the chosen run
+            name = str(getattr(getattr(self, "base_fn", None), "__name__", type(self).__name__))
+            for listener in list(_tuning_listeners):
+                listener(name, spent)
+        return out
+
+    return run
+
+
+def watch_triton_autotuning(listener: TuningListener) -> bool:
+    """Call ``listener(kernel name, seconds)`` after each Triton autotuning that benchmarked (wraps
+    ``triton.runtime.autotuner.Autotuner.run`` once per process; fla's autotuners subclass it).
+
+    Returns:
+        Whether Triton is importable (without it nothing is tuned, and nothing is watched).
+    """
+    global _tuning_watched
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return False
+    with _tuning_lock:
+        if not _tuning_watched:
+            Autotuner.run = _timed_autotuner_run(Autotuner.run)  # type: ignore[method-assign]
+            _tuning_watched = True
+        _tuning_listeners.append(listener)
+    return True
+
+
+def unwatch_triton_autotuning(listener: TuningListener) -> None:
+    """Stop calling ``listener``; idempotent."""
+    with _tuning_lock:
+        if listener in _tuning_listeners:
+            _tuning_listeners.remove(listener)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -93,7 +150,9 @@ class CompileTracker:
 
     Dynamo calls the start callback when the first of possibly nested compilations begins and the
     end callback when the last one ends, so the time is wall-clock time spent compiling (forward
-    graphs, and backward graphs compiled lazily at their first backward).
+    graphs, and backward graphs compiled lazily at their first backward). Triton autotuning that runs
+    outside a compilation (:func:`watch_triton_autotuning`) adds its seconds and one compilation per
+    tuned kernel.
 
     Args:
         announce: Log a line when a compilation starts (rank 0 of a run).
@@ -110,9 +169,12 @@ class CompileTracker:
         self._count = 0
         self.total_count = 0
         self.total_s = 0.0
+        self.tuned = 0
+        """Triton kernels autotuned since this tracker was made (their seconds are in ``total_s``)."""
         self._graphs_at_start = self._graph_counter()
         callback_handler.register_start_callback(self._on_start)
         callback_handler.register_end_callback(self._on_end)
+        watch_triton_autotuning(self._on_tuned)
 
     @staticmethod
     def _graph_counter() -> int:
@@ -143,6 +205,20 @@ class CompileTracker:
                 self.total_s += spent
                 self._started = None
 
+    def _on_tuned(self, kernel: str, seconds: float) -> None:
+        with self._lock:
+            if self._started is not None:  # tuned inside a compilation: its seconds are counted there
+                return
+            self._seconds += seconds
+            self.total_s += seconds
+            self._count += 1
+            self.total_count += 1
+            self.tuned += 1
+        if self._announce and seconds >= 1.0:
+            logger.info("tuned Triton kernel %s in %.1f s (autotuning at its first use on this machine; the step "
+                        "waits; kept in the compile cache): %d kernels tuned, %.1f s compiling in all",
+                        kernel, seconds, self.tuned, self.total_s)
+
     def take(self) -> tuple[float, int]:
         """Seconds spent compiling and compilations started since the last call."""
         with self._lock:
@@ -152,6 +228,7 @@ class CompileTracker:
 
     def close(self) -> None:
         """Unregister the callbacks; idempotent."""
+        unwatch_triton_autotuning(self._on_tuned)
         for remove, cb in ((self._handler.remove_start_callback, self._on_start),
                            (self._handler.remove_end_callback, self._on_end)):
             try:
