@@ -299,7 +299,10 @@ class AsyncGRPOConfig(TrainingArguments):
                   "many tokens and the layers are compiled for static shapes, one compilation per bucket reached "
                   "(at most token_budget / compile_row_bucket, about 10 s each on an H200; perf/compile_s); "
                   "measured 3-6 points more hardware FLOP utilisation than dynamic shapes at Qwen3 0.6B-4B. "
-                  "None: one graph with dynamic shapes, compiled once for every row length."},
+                  "Equal to token_budget: one graph, rows padded to the budget: faster to start (0.6B: a 10-step run "
+                  "0.88x eager's time from a cold cache against 1.68x), about 8 % slower steps "
+                  "(bench/packing/README.md). None: one graph with dynamic shapes, compiled once for every row "
+                  "length."},
     )
     compile_cache_dir: str | None = field(
         default=None,
