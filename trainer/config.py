@@ -15,8 +15,9 @@ import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import TrainingArguments
@@ -89,6 +90,25 @@ def _refuse_unsupported_parallelism(args: Any) -> None:
     elif isinstance(args.fsdp_config, dict) and "version" not in args.fsdp_config:
         args.fsdp_config = {**args.fsdp_config, "version": 2}
 
+
+
+def server_urls(value: str | Sequence[str]) -> tuple[str, ...]:
+    """The server URLs in ``value``: one URL, URLs joined by commas, or a sequence of either.
+
+    Trailing slashes are dropped, so ``http://h:8000/`` and ``http://h:8000`` are one server.
+
+    Raises:
+        ConfigError: No URL, an empty entry (``"a,,b"``), or a server named twice.
+    """
+    parts = [value] if isinstance(value, str) else list(value)
+    urls = tuple(u.strip().rstrip("/") for part in parts for u in str(part).split(","))
+    if not urls or any(not u for u in urls):
+        raise ConfigError(f"vllm_server_base_url={value!r} has an empty entry: give one URL, URLs joined by "
+                          "commas, or a list of URLs, e.g. http://host-a:8000,http://host-b:8000")
+    twice = sorted({u for u in urls if urls.count(u) > 1})
+    if twice:
+        raise ConfigError(f"vllm_server_base_url names {', '.join(twice)} more than once: name each server once")
+    return urls
 
 
 @dataclass
@@ -172,7 +192,11 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # --- vLLM server ---------------------------------------------------------------------------
     vllm_server_base_url: str = field(
-        default="http://localhost:8000", metadata={"help": "Base URL of the vLLM server used for generation."}
+        default="http://localhost:8000",
+        metadata={"help": "Base URL of the vLLM server used for generation. Several servers: URLs joined by commas "
+                  "(a list works too in Python and YAML); they must serve the same model and max_model_len "
+                  "(checked at start). Routing over several servers is not built yet: more than one URL is "
+                  "refused (issue 37)."},
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -363,11 +387,24 @@ class AsyncGRPOConfig(TrainingArguments):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         if isinstance(self.model_init_kwargs, str):
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        urls: object = self.vllm_server_base_url
+        if not isinstance(urls, str):  # a list from Python or YAML becomes the command line's form
+            self.vllm_server_base_url = ",".join(server_urls([str(u) for u in cast("Sequence[Any]", urls)]))
         _refuse_unsupported_parallelism(self)  # DeepSpeed, cp/sp/tp, FSDP1: before the base class acts on them
         super().__post_init__()  # type: ignore[no-untyped-call]  # unannotated in transformers
         self._validate()
 
+    @property
+    def vllm_server_base_urls(self) -> tuple[str, ...]:
+        """The servers named in ``vllm_server_base_url``, in order (:func:`server_urls`)."""
+        return server_urls(self.vllm_server_base_url)
+
     def _validate(self) -> None:
+        if len(self.vllm_server_base_urls) > 1:
+            raise ConfigError(
+                f"vllm_server_base_url names {len(self.vllm_server_base_urls)} servers "
+                f"({self.vllm_server_base_url}): routing rollouts over several vLLM servers is not built yet "
+                "(issue 37); give one URL, or run vLLM's data-parallel engines behind one (--data-parallel-size)")
         if self.remove_unused_columns:
             raise ConfigError("remove_unused_columns must stay False: every column reaches the reward functions")
         if not self.ignore_data_skip:
