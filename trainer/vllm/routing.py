@@ -1,0 +1,87 @@
+"""Which of several vLLM servers takes the next rollout (:class:`ServerRouter`), and which are out.
+
+A rollout is routed once, when it starts, and all its turns go to that server (its prefix cache
+holds the conversation so far). The router picks the server with the least load, where a server's
+load is what the worker knows now (its own rollouts in flight there) plus what the server last said
+in ``/metrics`` (requests waiting, KV-cache use), scaled by that server's concurrency cap::
+
+    load_i = (in_flight_i + waiting_i) / cap_i + kv_cache_usage_i
+
+Ties go to the server with the fewest rollouts routed so far, so servers under equal load take
+turns. A server taken out (:meth:`ServerRouter.take_out`, after it stopped answering) gets no new
+rollouts; taking out the last one raises :class:`~trainer.exceptions.VLLMServerError`, as losing the
+one server does. Not yet used by the rollout worker (issue 37: the worker's wiring and syncing every
+server come next); the config refuses several URLs until then.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trainer.exceptions import VLLMServerError
+from trainer.vllm.prometheus import ServerLoad
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServerRouter"]
+
+
+class ServerRouter:
+    """Routes rollouts over servers by load; counts what it routed and what it lost.
+
+    Args:
+        urls: The servers, in the order of ``vllm_server_base_url`` (index ``i`` is ``vllm/<i>/...``).
+    """
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        if not urls:
+            raise ValueError("a router needs at least one server")
+        self.urls = urls
+        self.in_flight = [0] * len(urls)
+        self.routed = [0] * len(urls)
+        """Rollouts started on each server since the start (``vllm/<i>/rollouts_routed``)."""
+        self.caps = [1] * len(urls)
+        self.loads: list[ServerLoad | None] = [None] * len(urls)
+        self.up = [True] * len(urls)
+        self.servers_lost = 0
+
+    def load(self, i: int) -> float:
+        """Server ``i``'s load (module docstring): 0 when idle, 1 or more when its cap is full."""
+        last = self.loads[i]
+        waiting = last.waiting if last else 0.0
+        kv = last.kv_cache_usage if last else 0.0
+        return (self.in_flight[i] + waiting) / max(self.caps[i], 1) + kv
+
+    def pick(self) -> int:
+        """The server for the next rollout: the least loaded that is up (ties: fewest routed, then first)."""
+        candidates = [i for i, up in enumerate(self.up) if up]
+        return min(candidates, key=lambda i: (self.load(i), self.routed[i], i))
+
+    def started(self, i: int) -> None:
+        """A rollout started on server ``i``."""
+        self.in_flight[i] += 1
+        self.routed[i] += 1
+
+    def finished(self, i: int) -> None:
+        """A rollout on server ``i`` ended (kept, dropped or to be retried elsewhere)."""
+        self.in_flight[i] -= 1
+
+    def observe(self, i: int, load: ServerLoad | None, cap: int) -> None:
+        """Server ``i``'s last ``/metrics`` reading (``None``: unreadable) and its concurrency cap now."""
+        self.loads[i] = load
+        self.caps[i] = cap
+
+    def take_out(self, i: int, reason: str) -> None:
+        """Route nothing more to server ``i``; the last server's loss raises.
+
+        Raises:
+            VLLMServerError: No server is left, naming the last one and ``reason``.
+        """
+        if not self.up[i]:
+            return
+        self.up[i] = False
+        self.servers_lost += 1
+        if not any(self.up):
+            raise VLLMServerError(f"the last vLLM server, {self.urls[i]}, stopped answering: {reason}")
+        logger.warning("vLLM server %d (%s) taken out: %s; %d of %d servers left", i, self.urls[i], reason,
+                       sum(self.up), len(self.urls))
