@@ -7,6 +7,10 @@ in ``/metrics`` (requests waiting, KV-cache use), scaled by that server's concur
 
     load_i = (in_flight_i + waiting_i) / cap_i + kv_cache_usage_i
 
+A server is taken out once it has failed every request for ``down_after_s`` seconds (default 5 s:
+long enough for a request's connection retry, short enough that its in-flight rollouts move on
+within seconds); one answer resets that clock.
+
 Ties go to the server with the fewest rollouts routed so far, so servers under equal load take
 turns. A server taken out (:meth:`ServerRouter.take_out`, after it stopped answering) gets no new
 rollouts; taking out the last one raises :class:`~trainer.exceptions.VLLMServerError`, as losing the
@@ -17,6 +21,8 @@ server come next); the config refuses several URLs until then.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from trainer.exceptions import VLLMServerError
 from trainer.vllm.prometheus import ServerLoad
@@ -31,9 +37,12 @@ class ServerRouter:
 
     Args:
         urls: The servers, in the order of ``vllm_server_base_url`` (index ``i`` is ``vllm/<i>/...``).
+        down_after_s: Seconds of nothing but failures after which a server is taken out.
+        clock: Seconds, monotonic.
     """
 
-    def __init__(self, urls: tuple[str, ...]) -> None:
+    def __init__(self, urls: tuple[str, ...], down_after_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
             raise ValueError("a router needs at least one server")
         self.urls = urls
@@ -44,6 +53,9 @@ class ServerRouter:
         self.loads: list[ServerLoad | None] = [None] * len(urls)
         self.up = [True] * len(urls)
         self.servers_lost = 0
+        self.down_after_s = down_after_s
+        self._clock = clock
+        self._failing_since: list[float | None] = [None] * len(urls)
 
     def load(self, i: int) -> float:
         """Server ``i``'s load (module docstring): 0 when idle, 1 or more when its cap is full."""
@@ -85,3 +97,21 @@ class ServerRouter:
             raise VLLMServerError(f"the last vLLM server, {self.urls[i]}, stopped answering: {reason}")
         logger.warning("vLLM server %d (%s) taken out: %s; %d of %d servers left", i, self.urls[i], reason,
                        sum(self.up), len(self.urls))
+
+    def answered(self, i: int) -> None:
+        """Server ``i`` answered a request: its failures so far are forgiven."""
+        self._failing_since[i] = None
+
+    def failed(self, i: int, reason: str) -> bool:
+        """A request to server ``i`` failed; whether the server is now out (failing for ``down_after_s``).
+
+        Raises:
+            VLLMServerError: That took out the last server (:meth:`take_out`).
+        """
+        now = self._clock()
+        since = self._failing_since[i]
+        if since is None:
+            self._failing_since[i] = since = now
+        if self.up[i] and now - since >= self.down_after_s:
+            self.take_out(i, f"{reason} (failing for {now - since:.1f} s)")
+        return not self.up[i]

@@ -54,3 +54,16 @@ def test_a_server_taken_out_gets_nothing_and_losing_the_last_is_the_error(caplog
     assert router.servers_lost == 1
     with pytest.raises(VLLMServerError, match=r"last vLLM server, http://b:8000, stopped answering: timed out"):
         router.take_out(1, "timed out")
+
+
+def test_a_server_failing_for_down_after_s_is_taken_out_and_an_answer_resets_the_clock() -> None:
+    now = [0.0]
+    router = ServerRouter(URLS, down_after_s=5.0, clock=lambda: now[0])
+    assert router.failed(0, "refused") is False
+    now[0] = 4.0
+    router.answered(0)
+    now[0] = 6.0
+    assert router.failed(0, "refused") is False  # the clock restarted at 6 s
+    now[0] = 11.0
+    assert router.failed(0, "refused") is True
+    assert router.up == [False, True] and router.servers_lost == 1
