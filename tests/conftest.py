@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from toolgym.kit.tiny_model import build_tiny_model
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.sync import weight_synchronizer
 from trainer.sync.weight_sync import WeightSynchronizer
 

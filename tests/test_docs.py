@@ -2,7 +2,8 @@
 
 Each page's blocks run in the page's order in one bash session, from a scratch copy of the repository
 root, with the project's venv first on ``PATH`` (as after ``source .venv/bin/activate``). A page that
-starts a vLLM server (``toolgym vllm``) is in the vLLM tier; it serves the model ``make demo`` builds.
+starts a vLLM server (``toolgym vllm``, or a script with ``launch_vllm=True``) is in the vLLM tier; it
+serves the model ``make demo`` builds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ STARTS_VLLM = ("toolgym vllm", "vllm serve")
 
 
 def _starts_vllm(page: Path) -> bool:
+    """A bash block starts a server, or a script launches one for its run (``launch_vllm=True``)."""
     return any(bare(command).startswith(STARTS_VLLM)
-               for block in blocks(page) if block.runs and block.lang == "bash" for command in commands(block.body))
+               for block in blocks(page) if block.runs and block.lang == "bash" for command in commands(block.body)) \
+        or any("launch_vllm=True" in block.body for block in blocks(page) if block.runs and block.lang == "python")
 
 
 def _pages() -> Iterator[object]:

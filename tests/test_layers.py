@@ -26,10 +26,12 @@ ALLOWED: dict[str, set[str]] = {
     "trainer.rollout": {"sdk", "trainer.shared", "trainer.vllm", "trainer.families", "trainer.rollout"},
     "trainer.training": {"sdk", "trainer.shared", "trainer.training"},
     "trainer.sync": {"trainer.shared", "trainer.vllm", "trainer.sync"},
+    # the servers a run starts (vLLM with the sync's backend, an env server as a child process, never envserver)
+    "trainer.launch": {"sdk", "trainer.shared", "trainer.sync", "trainer.launch"},
     "trainer.api": {"sdk", "trainer.shared", "trainer.vllm", "trainer.families", "trainer.rollout", "trainer.training",
-                    "trainer.sync", "trainer.api"},
+                    "trainer.sync", "trainer.launch", "trainer.api"},
     "toolgym": {"sdk", "environments", "envserver", "trainer.shared", "trainer.vllm", "trainer.families",
-                "trainer.rollout", "trainer.training", "trainer.sync", "trainer.api", "toolgym"},
+                "trainer.rollout", "trainer.training", "trainer.sync", "trainer.launch", "trainer.api", "toolgym"},
 }
 API = {"async_grpo_trainer", "harness_trainer", "construction_checks", "step_callback"}
 """The trainer's top modules that tie every layer together: the trainers, their checks and step callback."""
@@ -45,7 +47,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if module == "trainer" or parts[1] in API:  # the public trainers and the package's lazy facade
         return "trainer.api"
-    if parts[1] in ("vllm", "families", "rollout", "training", "sync"):
+    if parts[1] in ("vllm", "families", "rollout", "training", "sync", "launch"):
         return f"trainer.{parts[1]}"
     return "trainer.shared"
 

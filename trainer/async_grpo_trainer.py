@@ -19,27 +19,24 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from accelerate.utils import broadcast_object_list
-from transformers import (
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-    TrainerCallback,
-)
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.checkpoint import ROLLOUT_STATE, StagedCheckpoints
 from trainer.config import AsyncGRPOConfig
 from trainer.construction_checks import check_construction, check_dataset, check_output_head, check_picklable
 from trainer.exceptions import ConfigError, PipelineStalledError
+from trainer.launch.for_run import launch_servers
 from trainer.metrics import MetricWindow
 from trainer.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from trainer.reporting import CompletionRecord, report_completions
+from trainer.reporting import CompletionRecord, display_callbacks, report_completions
 from trainer.rollout.concurrency import AllowanceRule, StalenessAllowance
 from trainer.rollout.eval_in_training import (
     EpochEvaluation,
@@ -64,12 +61,7 @@ from trainer.training.compile_warmup import CompileWarmUp, expected_lengths, grp
 from trainer.training.distributed import StepFeed, StepPayload, all_reduce_loss_stats
 from trainer.training.flops import FlopModel, row_flops
 from trainer.training.fsdp import enable_fsdp_on_cpu
-from trainer.training.loss import (
-    LossConfig,
-    loss_metrics,
-    packed_grpo_loss,
-    reduce_loss_stats,
-)
+from trainer.training.loss import LossConfig, loss_metrics, packed_grpo_loss, reduce_loss_stats
 from trainer.training.model_loading import freeze_outside_language_model, load_model
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.row_forward import forwarded_positions
@@ -110,7 +102,8 @@ class AsyncGRPOTrainer(Trainer):
             when the server runs ``--enable-lora`` (see :mod:`trainer.sync.lora_sync`).
         tools: Functions the model may call (type hints + Google docstrings; module level).
         environment_factory: A zero-argument callable making an environment, or a dict
-            name -> callable routed by the dataset's ``environment`` column.
+            name -> callable routed by the dataset's ``environment`` column. With ``launch_envserver`` an
+            environment class, hosted on an env server for the run (:mod:`trainer.launch.for_run`).
     """
 
     # Narrower than the base Trainer's declarations: this trainer always has all three.
@@ -154,14 +147,17 @@ class AsyncGRPOTrainer(Trainer):
         self.environment_factory = environment_factory
         self.rollout_dataset = train_dataset
         self._explicit_max_steps = args.max_steps > 0
+        # The trainer's own copy of the config (the caller's stays as given, reusable) takes a launched server's
+        # URL, the progress table's disable_tqdm and, when the epoch count stops the run, a cap on the steps.
+        args = copy.copy(args)
         if not self._explicit_max_steps:
-            # The epoch count stops the run; the base Trainer needs a step limit, so this trainer's own
-            # copy of the config gets a safety cap (the caller's config stays as given, reusable).
-            args = copy.copy(args)
             args.max_steps = 10**9
         self._init_pipeline_state()
         super().__init__(model=model, args=args, train_dataset=None, eval_dataset=self.eval_rows,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
+                         processing_class=processing_class, callbacks=display_callbacks(args, callbacks),
+                         optimizers=optimizers)
+        if args.progress == "table":
+            self.remove_callback(PrinterCallback)  # the progress table replaces transformers' raw log dicts
         self.add_callback(PipelineCallback(self))
         self.add_callback(EpochEvaluation())  # after the pipeline's: it reads the epoch that callback sets
         self._policy_sync = PolicySync(self.accelerator, lambda: self.model, self.model_id, self.args,
@@ -273,7 +269,8 @@ class AsyncGRPOTrainer(Trainer):
     def train(  # type: ignore[override]  # trial, ignore_keys_for_eval: passed on through **kwargs
         self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
     ) -> Any:
-        """Train until the epochs are done (or ``max_steps``); always stops the rollout worker."""
+        """Train until the epochs are done (or ``max_steps``); always stops the rollout worker and the servers
+        that ``launch_vllm`` / ``launch_envserver`` started for it (:mod:`trainer.launch.for_run`)."""
         check_picklable(reward_funcs=self.reward_funcs, tools=self.tools,
                          environment_factory=self.environment_factory, loop_cls=self.loop_cls,
                          **self.rollout_loop_kwargs())
@@ -285,16 +282,18 @@ class AsyncGRPOTrainer(Trainer):
             state_file = Path(resume_from_checkpoint) / ROLLOUT_STATE
             if state_file.exists():
                 self._resume_state = json.loads(state_file.read_text())
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        except BaseException as exc:
-            if self.feed is not None and self.is_world_process_zero():
-                self.feed.fail(exc)  # the other ranks re-raise it instead of waiting for data
-            if isinstance(exc, PipelineStalledError):
-                self._save_after_stall()
-            raise
-        finally:
-            self._shutdown()
+        with ExitStack() as launched:  # launch_vllm / launch_envserver's servers: stopped after the worker
+            try:
+                launch_servers(self, launched)
+                return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            except BaseException as exc:
+                if self.feed is not None and self.is_world_process_zero():
+                    self.feed.fail(exc)  # the other ranks re-raise it instead of waiting for data
+                if isinstance(exc, PipelineStalledError):
+                    self._save_after_stall()
+                raise
+            finally:
+                self._shutdown()
 
     def _report_stall(self, report: StallReport) -> None:
         """A stall warning: on the console, as ``pipeline/*`` metrics (``report_to``) and in the progress table."""

@@ -204,6 +204,28 @@ class AsyncGRPOConfig(TrainingArguments):
                   "generation request that times out is retried."},
     )
 
+    # --- servers the run starts for itself (trainer/launch/for_run.py) -------------------------
+    launch_vllm: bool = field(
+        default=False,
+        metadata={"help": "Start a vLLM server on the model for the run (the flags of toolgym vllm, "
+                  "--max-model-len vllm_max_model_len, --dtype dtype) and set vllm_server_base_url to it; it is "
+                  "stopped when train() returns or raises, Ctrl-C included. On CPU a trainer beside it trains on "
+                  "half the cores. One training process only (start the server yourself for torchrun)."},
+    )
+    vllm_max_model_len: int = field(
+        default=2048,
+        metadata={"help": "--max-model-len of the server launch_vllm starts: the longest prompt + completion it "
+                  "accepts (also the default token_budget)."},
+    )
+    launch_envserver: bool = field(
+        default=False,
+        metadata={"help": "Host environment_factory on a local env server for the run (as toolgym serve would) and "
+                  "train on it remotely; it is stopped when train() returns or raises. The factory must be a "
+                  "class a child process can import: module:Class, or a class of the script run as __main__ "
+                  "(whose training then sits under if __name__ == '__main__':), bound to JSON arguments with "
+                  "functools.partial if need be; or a dict name -> such classes. One training process only."},
+    )
+
     # --- loss ----------------------------------------------------------------------------------
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the trust region."})
     epsilon_high: float | None = field(
@@ -374,6 +396,19 @@ class AsyncGRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Most completions shown per log when log_completions; None: all of them."}
     )
+    progress: str = field(
+        default="table",
+        metadata={"help": "What the console shows while training. 'table': one compact row per log (step, reward, "
+                  "groups dropped, completion length, generation throughput, queue, staleness, step time), what "
+                  "toolgym train prints (transformers' printer and tqdm bar are left out); 'log': transformers' "
+                  "own log lines (a tqdm bar, or the raw log dicts with disable_tqdm). report_to is independent of "
+                  "it."},
+    )
+    plots: bool = field(
+        default=True,
+        metadata={"help": "Write PNG plots of the reward, the groups dropped, the completion length and the "
+                  "generation throughput to <output_dir>/plots when training ends."},
+    )
 
     def __new__(cls, *args: Any, **kwargs: Any) -> AsyncGRPOConfig:
         # Before the generated __init__, which would answer a TRL-only name with a bare TypeError.
@@ -444,7 +479,7 @@ class AsyncGRPOConfig(TrainingArguments):
                           "the last step consumed)", FutureWarning, stacklevel=3)
             self.staleness_allowance = "consumed"
         choices = {"staleness_allowance": ("capacity", "consumed"), "weight_sync_pause": ("none", "keep", "reset"),
-                   "packing": ("tree", "per_sample")}
+                   "packing": ("tree", "per_sample"), "progress": ("table", "log")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
@@ -467,5 +502,7 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ConfigError(f"compile_row_bucket={self.compile_row_bucket} must be >= 1 (or None for dynamic shapes)")
         if self.token_budget is not None and self.token_budget < 1:
             raise ConfigError(f"token_budget={self.token_budget} must be >= 1 (or None for the server's max_model_len)")
+        if self.vllm_max_model_len < 1:
+            raise ConfigError(f"vllm_max_model_len={self.vllm_max_model_len} must be >= 1")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype={self.dtype!r} must be one of 'auto', 'bfloat16', 'float16', 'float32'")

@@ -4,11 +4,13 @@
 combination the trainer cannot run fails at once with what to do instead, not at the first step or in the
 rollout worker. Refused here: a reward model (a model id or a ``PreTrainedModel``) as a reward function,
 ``use_liger_kernel=True``, a PEFT config whose adapters target ``lm_head`` (the chunked LM head needs a
-plain ``nn.Linear``), and a dict ``environment_factory`` with no dataset, or over one whose ``environment``
-column is missing or names an environment the dict does not have. :func:`check_dataset` refuses a dataset
-the worker could not generate from (empty, no prompts, a malformed prompt) and :func:`check_picklable`
-what cannot reach the spawned rollout worker. ``remove_unused_columns`` and
-``ignore_data_skip`` are refused by :class:`~trainer.config.AsyncGRPOConfig` itself.
+plain ``nn.Linear``), a dict ``environment_factory`` with no dataset, or over one whose ``environment``
+column is missing or names an environment the dict does not have, and a launch that cannot work
+(:func:`trainer.launch.for_run.check_launches`: several processes, a factory an env server cannot
+import). :func:`check_dataset` refuses a dataset the worker could not generate from (empty, no
+prompts, a malformed prompt) and :func:`check_picklable` what cannot reach the spawned rollout worker.
+``remove_unused_columns`` and ``ignore_data_skip`` are refused by :class:`~trainer.config.AsyncGRPOConfig`
+itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from trainer.exceptions import ConfigError
+from trainer.launch.for_run import check_launches
 from trainer.rollout.chat_template import refuse_image_parts
 from trainer.rollout.prompt_order import check_prompt, first_row_columns, is_stream
 
@@ -108,6 +111,7 @@ def check_construction(*, reward_funcs: Any, args: Any, train_dataset: Any, peft
                           "chunked LM head; set use_liger_kernel=False")
     _check_peft_config(peft_config)
     _check_routing(environment_factory, train_dataset)
+    check_launches(args, environment_factory)  # launch_vllm / launch_envserver: one process, an importable class
 
 
 def check_picklable(**objects: Any) -> None:

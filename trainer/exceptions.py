@@ -6,6 +6,8 @@
         ├── VLLMServerError            the sampler server failed to start, died, or answered an error
         │   └── WeightSyncError        a weight update was refused or failed (fatal: the server's
         │                              weights are in an unknown state)
+        ├── EnvServerLaunchError       an env server started for the run (launch_envserver) did not
+        │                              become ready
         ├── RolloutWorkerError         the rollout worker crashed, hung or stopped (carries its traceback)
         │   └── PipelineStalledError   nothing trainable reached the trainer for stall_timeout seconds
         ├── RankZeroLostError          rank 0 stopped feeding another rank (multi-process training)
@@ -51,6 +53,11 @@ class VLLMServerError(TrainerError):
 
 class WeightSyncError(VLLMServerError):
     """A weight update failed; the server must be considered broken until restarted."""
+
+
+class EnvServerLaunchError(TrainerError):
+    """An env server started as a child process (``launch_envserver``, ``trainer.launch.envserver``) exited or
+    did not answer ``/health`` in time; the message names what it hosts and why (its log is on the console)."""
 
 
 class RolloutWorkerError(TrainerError):

@@ -14,8 +14,8 @@ from trainer.exceptions import ConfigError
 
 __all__ = ["TRL_ONLY_FIELDS", "refuse_trl_fields"]
 
-_SEPARATE_SERVER = ("generation always runs on a separate vLLM server: start one (toolgym vllm MODEL, or "
-                    "launch_vllm) and set vllm_server_base_url")
+_SEPARATE_SERVER = ("generation always runs on a separate vLLM server: set launch_vllm=True for one started "
+                    "and stopped with the run, or start one (toolgym vllm MODEL) and set vllm_server_base_url")
 _CONTINUOUS = ("generation runs continuously beside training, not in batches per step: max_staleness and "
                "weight_sync_steps set how far it runs ahead, max_concurrent_rollouts how wide")
 _ALWAYS_CORRECTED = ("the loss always corrects for the sampler with masked importance weights, bounded by "

@@ -35,8 +35,8 @@ from toolgym.kit.counter_experiment import (
     serve_policy,
     warm_model,
 )
-from toolgym.launch.envserver import EnvServerProcess
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.launch.envserver import EnvServerProcess
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 
 SCHEDULES = (("asynchronous", 4), ("synchronous", 0))
 

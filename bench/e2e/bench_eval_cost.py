@@ -25,8 +25,8 @@ from transformers.trainer_callback import PrinterCallback
 
 from environments.counter import IncrementEnv
 from toolgym.kit.counter_experiment import TARGETS, counter_config, counter_dataset, serve_policy, warm_model
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.async_grpo_trainer import AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.rewards import tool_error_penalty
 
 GENERATIONS = 8

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from sdk import remote_factory
 from toolgym.kit.counter_experiment import counter_config, learning_run, serve_policy, warm_model
-from toolgym.launch.envserver import EnvServerProcess
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.launch.envserver import EnvServerProcess
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.reporting import ProgressCallback
 
 TEST_STEPS = 15

@@ -42,7 +42,7 @@ from counter_agent import MAX_TOOL_CALLING_ITERATIONS, counter_agent  # noqa: E4
 
 from sdk import remote_factory  # noqa: E402
 from toolgym.kit.counter_experiment import warm_model  # noqa: E402
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
 from trainer.rollout.harness_loop import HarnessRolloutLoop, HarnessSettings  # noqa: E402
 from trainer.rollout.settings import RolloutSettings  # noqa: E402
 

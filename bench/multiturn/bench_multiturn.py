@@ -59,8 +59,8 @@ from transformers import AutoTokenizer
 from sdk import remote_factory
 from toolgym.kit.tiny_model import build_tiny_model
 from toolgym.kit.warm_start import WarmStartConfig, warm_start
-from toolgym.launch.envserver import EnvServerProcess
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.launch.envserver import EnvServerProcess
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.records import TurnRecord
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop

@@ -44,8 +44,8 @@ from typing import Any
 from datasets import Dataset
 
 from toolgym.kit.tiny_model import build_tiny_model
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.settings import RolloutSettings

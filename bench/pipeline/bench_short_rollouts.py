@@ -49,8 +49,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 
 COMPLETION_TOKENS = 24
 SETTINGS: dict[str, dict[str, Any]] = {

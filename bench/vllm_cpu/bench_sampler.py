@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolgym.kit.tiny_model import build_tiny_model
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.sync import weight_synchronizer
 from trainer.vllm.client import SamplerClient, SamplingParams
 

@@ -16,8 +16,8 @@ from datasets import Dataset
 
 from toolgym.kit.counter_experiment import serve_policy
 from toolgym.kit.warm_start import arithmetic_prompt
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.rewards import accuracy_reward
 from trainer.sync.weight_sync import WeightSynchronizer
 

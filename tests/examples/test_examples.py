@@ -27,7 +27,7 @@ import pytest
 from sdk.tools import environment_tools, tool_from_function
 from tests.trainer.events import StopOnceLogged, StopWhen
 from tests.trainer.rollout.test_scoring import STUB_TOKENIZER, stub_settings
-from toolgym.launch.vllm_server import VLLMServer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.metrics import MetricWindow
 from trainer.rollout.chat_template import render_prompt_ids
 from trainer.sync.weight_sync import WeightSynchronizer

@@ -20,7 +20,7 @@ import pytest
 
 from sdk import OpenEnvEnvironment, environment_tools
 from tests.sdk.openenv_side import ROOT, openenv_servers
-from toolgym.launch.vllm_server import VLLMServer
+from trainer.launch.vllm_server import VLLMServer
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from envserver import ServerThread
 from toolgym.cli import eval_serving
 from toolgym.cli.eval import EvalArguments, build_parser, load_rows, main, parse_args
 from toolgym.kit.counter_experiment import serve_policy
-from toolgym.launch.vllm_server import VLLMServer, free_port
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import VLLMServer, free_port
 from trainer.rollout.eval_results import EpisodeResult, read_episodes, summarize, write_run
 from trainer.sync.weight_sync import WeightSynchronizer
 

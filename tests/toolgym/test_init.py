@@ -14,8 +14,8 @@ import pytest
 from sdk import RemoteEnvironment
 from toolgym.cli.init import main, scaffold
 from toolgym.kit.counter_experiment import serve_policy
-from toolgym.launch.envserver import EnvServerProcess
-from toolgym.launch.vllm_server import VLLMServer
+from trainer.launch.envserver import EnvServerProcess
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import WeightSynchronizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import yaml
 from toolgym.cli.train import main, parse_args
 from toolgym.kit.counter_experiment import serve_policy
 from toolgym.kit.warm_start import arithmetic_prompt
-from toolgym.launch.threads import trainer_threads_beside_vllm
-from toolgym.launch.vllm_server import VLLMServer
 from trainer.exceptions import ConfigError
+from trainer.launch.threads import trainer_threads_beside_vllm
+from trainer.launch.vllm_server import VLLMServer
 from trainer.reporting import PLOTTED, write_plots
 from trainer.sync.weight_sync import WeightSynchronizer
 
@@ -37,7 +37,7 @@ def test_config_file_is_parsed_and_flags_override_it(tmp_path: Path) -> None:
     run, config = parse_args([str(config_file), "--max_steps", "3", "--temperature", "0.7",
                               "--reward_funcs", "my.module:other_reward"])
 
-    assert run.model == "some/model" and run.dataset == "prompts.jsonl" and run.launch_vllm is True
+    assert run.model == "some/model" and run.dataset == "prompts.jsonl" and config.launch_vllm is True
     assert run.reward_funcs == ["trainer.rewards:accuracy_reward", "my.module:other_reward"]
     assert config.learning_rate == 1e-5 and config.num_generations == 4 and config.max_staleness == 0
     assert config.max_steps == 3 and config.temperature == 0.7  # the flags win over the file
@@ -45,9 +45,9 @@ def test_config_file_is_parsed_and_flags_override_it(tmp_path: Path) -> None:
 
 
 def test_boolean_flag_without_value_and_default_output_dir(tmp_path: Path) -> None:
-    run, config = parse_args(["--model", str(tmp_path / "tiny"), "--launch_envserver", "--max_steps", "2"])
+    _, config = parse_args(["--model", str(tmp_path / "tiny"), "--launch_envserver", "--max_steps", "2"])
 
-    assert run.launch_envserver is True and run.launch_vllm is False
+    assert config.launch_envserver is True and config.launch_vllm is False
     assert config.output_dir == "tiny-AsyncGRPO"
 
 
@@ -156,17 +156,14 @@ def test_train_from_a_config_file_on_the_real_stack_writes_plots(
 
 
 def test_env_kwargs_bind_a_local_class_and_env_token_reaches_the_remote_factory(tmp_path: Path) -> None:
-    import contextlib
-
     from toolgym.cli.train import _environment_factory
+    from trainer.launch.for_run import hosted_classes
 
     run, _ = parse_args(["--model", "m", "--environment", "counter", "--env_kwargs", '{"max_target": 2}'])
-    with contextlib.ExitStack() as stack:
-        env = _environment_factory(run, stack)()
-    assert env.max_target == 2
+    assert _environment_factory(run)().max_target == 2
+    assert hosted_classes(_environment_factory(run))["IncrementEnv"].kwargs == {"max_target": 2}  # --launch_envserver
     run, _ = parse_args(["--model", "m", "--environment", "http://127.0.0.1:9/IncrementEnv", "--env_token", "s3"])
-    with contextlib.ExitStack() as stack:
-        assert _environment_factory(run, stack).token == "s3"
+    assert _environment_factory(run).token == "s3"
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -177,6 +174,8 @@ def test_env_kwargs_bind_a_local_class_and_env_token_reaches_the_remote_factory(
      r"parameters: IncrementEnv\(max_target=6, seed=None\)"),
     (["--environment", "http://127.0.0.1:9/IncrementEnv", "--env_kwargs", '{"max_target": 2}'],
      "--env_kwargs cannot reach a remote environment"),
+    (["--environment", "toolgym.kit.counter_experiment:counter_eval_rows", "--launch_envserver", "--max_steps", "1"],
+     r"launch_envserver=True: environment_factory \(<function counter_eval_rows .*\) is not a class"),
 ])
 def test_bad_env_kwargs_are_refused_at_start_naming_the_class(
     capsys: pytest.CaptureFixture[str], args: list[str], message: str

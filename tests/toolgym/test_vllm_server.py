@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.exceptions import VLLMServerError, WeightSyncError
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.sync.backends.shared_memory import SharedMemorySender
 from trainer.sync.vllm_plugin import PROTOCOL_VERSION
 from trainer.sync.weight_sync import WeightSynchronizer, checkpoint_manifest

@@ -17,8 +17,8 @@ import numpy as np
 
 from environments.counter import IncrementEnv
 from tests.trainer.spread_reward import token_reward
-from toolgym.launch.envserver import EnvServerProcess
 from trainer.async_grpo_trainer import AsyncRolloutLoop
+from trainer.launch.envserver import EnvServerProcess
 from trainer.records import RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]

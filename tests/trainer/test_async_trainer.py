@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tests.trainer.events import StopOnceLogged
 from tests.trainer.spread_reward import token_reward
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, free_port
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import (
     ConfigError,
@@ -27,6 +26,7 @@ from trainer.exceptions import (
     VLLMServerError,
     WeightSyncError,
 )
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig, free_port
 from trainer.sync.weight_sync import WeightSynchronizer
 from trainer.vllm.client import SamplerClient, SamplingParams
 

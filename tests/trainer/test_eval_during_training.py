@@ -16,10 +16,10 @@ from transformers import AutoTokenizer, TrainerCallback
 
 from environments.counter import IncrementEnv
 from toolgym.kit.counter_experiment import counter_config, serve_policy
-from toolgym.launch.vllm_server import VLLMServer
 from trainer.async_grpo_trainer import AsyncGRPOTrainer
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.rewards import tool_error_penalty
 from trainer.rollout.eval_in_training import EvalPlan, eval_rows
 from trainer.rollout.eval_results import read_episodes

@@ -35,11 +35,11 @@ from tests.trainer.fault_tools import (
     hang_on_row_one,
     rank_reward,
 )
-from toolgym.launch.envserver import EnvServerProcess
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.checkpoint import STAGING_DIR
 from trainer.exceptions import CheckpointSaveError, RolloutWorkerError
+from trainer.launch.envserver import EnvServerProcess
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import WeightSynchronizer
 
 pytestmark = pytest.mark.vllm

@@ -9,9 +9,9 @@ import pytest
 from datasets import Dataset
 
 from tests.trainer.spread_reward import token_reward
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.reporting import CompletionRecord, completions_markdown
 from trainer.sync.weight_sync import WeightSynchronizer
 

@@ -19,8 +19,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.fault_tools import NaNAdvantageLoop, inf_for_the_first
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import WeightSynchronizer
 from trainer.vllm.client import SamplerClient, SamplingParams
 

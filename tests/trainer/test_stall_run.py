@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from datasets import Dataset
 
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import PipelineStalledError
+from trainer.launch.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.vllm
 

@@ -22,7 +22,7 @@ from types import FrameType
 # subcommand -> (module, function taking argv, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "tiny-model": ("toolgym.cli.tiny_model", "main", "build the tiny local model and tokenizer of a family"),
-    "vllm": ("toolgym.launch.vllm_server", "main", "start a vLLM server with the flags the trainer needs"),
+    "vllm": ("toolgym.cli.vllm", "main", "start a vLLM server with the flags the trainer needs"),
     "serve": ("envserver.cli", "main", "host environment classes on the env server"),
     "train": ("toolgym.cli.train", "main", "run asynchronous GRPO training from a config"),
     "eval": ("toolgym.cli.eval", "main", "evaluate a model on an environment or dataset: intervals, pass@k, files"),

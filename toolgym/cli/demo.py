@@ -83,10 +83,9 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sdk import remote_factory
-    from toolgym.launch.envserver import EnvServerProcess
-    from toolgym.launch.threads import trainer_threads_beside_vllm
-    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
-    from trainer.reporting import PlotCallback, ProgressCallback
+    from trainer.launch.envserver import EnvServerProcess
+    from trainer.launch.threads import trainer_threads_beside_vllm
+    from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 
     torch.set_num_threads(trainer_threads_beside_vllm(os.cpu_count() or 1))
     t0 = time.monotonic()
@@ -108,9 +107,7 @@ def main(argv: list[str]) -> int:
             return 130
         print(f"\nsuccess before training: {before.success_rate.value:.1%} ({before.episodes} fresh episodes)\n")
         config = counter_config(args.output_dir, server.base_url, args.steps, args.seed, report_to="tensorboard")
-        plots = PlotCallback()
-        trainer = counter_trainer(model_dir, remote_factory(env_url, "IncrementEnv"), config,
-                                  callbacks=[ProgressCallback(), plots])
+        trainer = counter_trainer(model_dir, remote_factory(env_url, "IncrementEnv"), config)  # table, plots
         trainer.train()
         after = _evaluate(eval_argv("eval-after"))
         if after is None:
@@ -123,7 +120,5 @@ def main(argv: list[str]) -> int:
     compare = ["--compare", str(out / "eval-before"), str(out / "eval-after")]
     print(f"\n$ toolgym eval {shlex.join(compare)}")
     eval_cli.main(compare)
-    for path in plots.written:
-        print(f"plot: {path}")
     print(f"\ndemo finished in {time.monotonic() - t0:.0f} s; every process it started is stopped")
     return 0

@@ -69,7 +69,8 @@ class EvalArguments:
         "running one that serves it. Its tokenizer renders the prompts.")})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": (
         "A running vLLM server to evaluate (as its weights are now); default: start one on --model.")})
-    vllm_max_model_len: int = _declared(RunArguments, "vllm_max_model_len")
+    vllm_max_model_len: int = _declared(AsyncGRPOConfig, "vllm_max_model_len", help=(
+        "--max-model-len of the vLLM server started here on --model: the longest prompt + completion."))
     environment: str | None = _declared(RunArguments, "environment")
     env_token: str | None = _declared(RunArguments, "env_token")
     env_kwargs: str | None = _declared(RunArguments, "env_kwargs", help=(
@@ -227,7 +228,7 @@ def evaluate(args: EvalArguments) -> tuple[EvalSummary, bool]:
     with contextlib.ExitStack() as stack:
         run = RunArguments(model=args.model, environment=args.environment, env_token=args.env_token,
                            env_kwargs=args.env_kwargs)
-        factory = environment_factory(run, stack)  # a bad --environment fails before a server starts
+        factory = environment_factory(run)  # a bad --environment fails before a server starts
         reward_funcs, tools = _load_functions(args.reward_funcs), _load_functions(args.tools)
         served = stack.enter_context(served_model(args, output_dir))
         settings = RolloutSettings.from_server(served.base_url, served.tokenizer, lora_name=served.lora_name,

@@ -111,7 +111,7 @@ def served_model(args: EvalArguments, output_dir: Path) -> Iterator[ServedModel]
             raise ConfigError(f"{what} {path!r} is not a model directory: give a folder holding config.json and the "
                               "weights (a training run's checkpoint-N folder works), or --vllm_server_base_url of a "
                               "server that serves it")
-    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+    from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 
     rank = int(str(adapter.get("r", 16))) if adapter else 0
     config = VLLMServerConfig(model=base, max_model_len=args.vllm_max_model_len, log_path=str(output_dir / "vllm.log"),

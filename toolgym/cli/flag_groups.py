@@ -39,8 +39,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "environment": ("environment", "env_token", "env_kwargs"),
     "launch": ("launch_vllm", "vllm_max_model_len", "launch_envserver"),
     "logging": (
-        "logging_steps", "log_completions", "num_completions_to_print", "plots", "report_to", "ignore_data_skip",
-        "remove_unused_columns",
+        "logging_steps", "progress", "log_completions", "num_completions_to_print", "plots", "report_to",
+        "ignore_data_skip", "remove_unused_columns",
     ),
 }
 INHERITED = "transformers TrainingArguments (inherited; most runs need none of these)"

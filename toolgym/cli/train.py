@@ -9,19 +9,18 @@ settings (:class:`RunArguments`) sit beside them::
     toolgym train --model M --environment environments.counter:IncrementEnv --launch_envserver --max_steps 50
 
 Flags override the YAML file. An unknown field (in the file or on the command line) is refused with
-the list of close names. It can start the vLLM server (``--launch_vllm``) and the env server
-(``--launch_envserver``) for the run and stops them afterwards; otherwise it uses running ones
-(``--vllm_server_base_url``, ``--environment ws://...``). It shows a progress table, reports to the
-``report_to`` of your choice (``tensorboard`` and ``trackio`` work offline) and writes plots to
-``<output_dir>/plots``.
+the list of close names. The run is ``AsyncGRPOTrainer(...).train()``, as from Python: it can start
+the vLLM server (``--launch_vllm``) and the env server (``--launch_envserver``) for the run and stops
+them afterwards, else it uses running ones (``--vllm_server_base_url``, ``--environment ws://...``);
+it shows a progress table (``--progress log``: transformers' log lines), reports to the ``report_to``
+of your choice (``tensorboard`` and ``trackio`` work offline) and writes plots to
+``<output_dir>/plots`` (``--plots false``: none).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,6 @@ from transformers import HfArgumentParser
 from sdk.exceptions import ToolgymError
 from sdk.loading import did_you_mean
 from toolgym.cli.flag_groups import group_flags
-from toolgym.launch.envserver import EnvServerProcess
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 from trainer.trl_fields import refuse_trl_fields
@@ -41,7 +39,8 @@ from trainer.trl_fields import refuse_trl_fields
 
 @dataclass
 class RunArguments:
-    """What to train, on what, with which servers (the non-config part of a run)."""
+    """What to train and on what: the part of a run that only the command line needs (Python passes these to
+    ``AsyncGRPOTrainer`` itself); everything else, the launches included, is an ``AsyncGRPOConfig`` field."""
 
     model: str = field(default="", metadata={"help": "Model directory or id to train (and serve)."})
     dataset: str | None = field(
@@ -73,11 +72,6 @@ class RunArguments:
                   "the launched server; a remote environment's are set where it is served "
                   "(toolgym serve --env_kwargs)."},
     )
-    launch_vllm: bool = field(default=False, metadata={"help": "Start a vLLM server on the model for this run."})
-    vllm_max_model_len: int = field(default=2048, metadata={"help": "--max-model-len of a launched vLLM server."})
-    launch_envserver: bool = field(
-        default=False, metadata={"help": "Serve --environment (module:Class) on a local env server for this run."})
-    plots: bool = field(default=True, metadata={"help": "Write PNG plots to <output_dir>/plots at the end."})
 
 
 def build_parser() -> HfArgumentParser:
@@ -158,8 +152,12 @@ def _load_dataset(spec: str | None) -> Any:
     return load_target(spec)()
 
 
-def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
-    """The run's ``environment_factory``; bad ``--env_kwargs`` fail here, before anything starts."""
+def _environment_factory(run: RunArguments) -> Any:
+    """The run's ``environment_factory``; a bad ``--env_kwargs`` fails here, before anything starts.
+
+    A local class bound to ``--env_kwargs`` is a ``functools.partial`` of it, which ``--launch_envserver``
+    hosts with those arguments (:mod:`trainer.launch.for_run`).
+    """
     from sdk import load_target, remote_factory
     from sdk.loading import parse_env_kwargs, with_arguments
 
@@ -173,54 +171,31 @@ def _environment_factory(run: RunArguments, stack: contextlib.ExitStack) -> Any:
                               "server; pass them there (toolgym serve ... --env_kwargs '{\"NAME\": {...}}')")
         base, _, name = spec.rpartition("/")
         return remote_factory(base, name, token=run.env_token)
-    factory = with_arguments(load_target(spec), kwargs)  # checked against the class's signature now
-    if run.launch_envserver:
-        name = getattr(load_target(spec), "__name__", spec.split(":")[-1])
-        args = ["--env_kwargs", json.dumps({name: kwargs})] if kwargs else []
-        url = stack.enter_context(EnvServerProcess([f"{name}={spec}"], args=args)).url
-        return remote_factory(url, name)
-    return factory
+    return with_arguments(load_target(spec), kwargs)  # checked against the class's signature now
 
 
 def main(argv: list[str]) -> int:
-    """Run ``toolgym train``; returns the exit status (2 for a bad config)."""
+    """Run ``toolgym train``; returns the exit status (2 for a bad config).
+
+    The trainer does the rest as it does from Python: it starts (and stops) the servers of
+    ``--launch_vllm`` / ``--launch_envserver`` and shows the progress table and plots (``--progress``,
+    ``--plots``).
+    """
     try:
         run, config = parse_args(argv)
     except (ConfigError, ValueError) as exc:
         print(f"toolgym train: {exc}", file=sys.stderr)
         return 2
-    from transformers.trainer_callback import PrinterCallback
-
     from sdk import load_target
-    from toolgym.launch.threads import share_cores_with_local_vllm
-    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
     from trainer.async_grpo_trainer import AsyncGRPOTrainer
-    from trainer.reporting import PlotCallback, ProgressCallback
 
-    with contextlib.ExitStack() as stack:
-        try:  # first: a bad --env_kwargs or --environment fails before a server is started
-            environment_factory = _environment_factory(run, stack)
-        except (ConfigError, ToolgymError) as exc:
-            print(f"toolgym train: {exc}", file=sys.stderr)
-            return 2
-        if run.launch_vllm:
-            server = stack.enter_context(VLLMServer(VLLMServerConfig(model=run.model,
-                                                                     max_model_len=run.vllm_max_model_len)))
-            config.vllm_server_base_url = server.base_url
-            print(f"vLLM server ready at {server.base_url} ({server.ready_s:.0f} s)")
-        threads = share_cores_with_local_vllm(config.vllm_server_base_url, config.device.type)
-        if threads is not None:
-            print(f"training on {threads} CPU thread(s): a vLLM CPU server shares this machine")
-        config.disable_tqdm = True
-        plots = PlotCallback()
+    try:  # a bad --env_kwargs, --environment or launch fails here, before a server is started
         trainer = AsyncGRPOTrainer(
             model=run.model, args=config, train_dataset=_load_dataset(run.dataset),
             reward_funcs=[load_target(r) for r in run.reward_funcs], tools=[load_target(t) for t in run.tools],
-            environment_factory=environment_factory,
-            callbacks=[ProgressCallback()] + ([plots] if run.plots else []),
-        )
-        trainer.remove_callback(PrinterCallback)  # the progress table replaces the raw log dicts
-        trainer.train()
-    for path in plots.written:
-        print(f"plot: {path}")
+            environment_factory=_environment_factory(run))
+    except (ConfigError, ToolgymError) as exc:
+        print(f"toolgym train: {exc}", file=sys.stderr)
+        return 2
+    trainer.train()
     return 0

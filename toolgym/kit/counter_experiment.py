@@ -150,13 +150,12 @@ def serve_policy(base_url: str, model_dir: str | Path, version: int = 0,
 
 def counter_trainer(model_dir: str | Path, environment_factory: Any, config: AsyncGRPOConfig,
                     callbacks: Sequence[Any] = ()) -> Any:
-    """The demo's ``AsyncGRPOTrainer`` on the counter task (no default console printer).
+    """The demo's ``AsyncGRPOTrainer`` on the counter task (the progress table and plots of ``config``).
 
     The training reward is the environment's ``get_reward`` (1.0 at the target) plus
     :func:`trainer.rewards.tool_error_penalty` (-0.5 for a rollout with a failed call).
     """
     from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
 
     from trainer.async_grpo_trainer import AsyncGRPOTrainer
     from trainer.rewards import tool_error_penalty
@@ -165,7 +164,6 @@ def counter_trainer(model_dir: str | Path, environment_factory: Any, config: Asy
                                reward_funcs=tool_error_penalty,
                                processing_class=AutoTokenizer.from_pretrained(model_dir),
                                environment_factory=environment_factory, callbacks=list(callbacks))
-    trainer.remove_callback(PrinterCallback)
     return trainer
 
 

@@ -52,8 +52,8 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.utils.chat_template_utils import get_json_schema
 
 from environments.counter import IncrementEnv
-from toolgym.launch.threads import torch_threads
 from trainer.exceptions import ConfigError
+from trainer.launch.threads import torch_threads
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.rollout.chat_template import (
     EMPTY_REASONING,

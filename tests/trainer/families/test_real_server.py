@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from environments.counter import IncrementEnv
 from toolgym.kit.tiny_model import VOCAB_SIZE, build_tiny_model
 from toolgym.kit.warm_start import Transcript, WarmStartConfig, counter_tools, fine_tune
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.families import Family, families
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.rollout.evaluation import evaluate_policy
 from trainer.rollout.settings import RolloutSettings
 from trainer.sync.push import push_weights

@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 from environments.counter import IncrementEnv
 from tests.trainer.rollout.harness_agents import RecordingHarnessTrainer, counter_agent
 from toolgym.kit.counter_experiment import counter_dataset, serve_policy
-from toolgym.launch.vllm_server import VLLMServer
 from trainer.config import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
 from trainer.harness_trainer import HarnessAsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.rewards import tool_error_penalty
 from trainer.rollout.harness_loop import HarnessRolloutLoop, HarnessSettings
 from trainer.rollout.settings import RolloutSettings

@@ -21,9 +21,9 @@ from environments.counter import IncrementEnv
 from envserver import EnvSpec, ServerConfig, ServerThread
 from sdk import environment_tools, remote_factory
 from toolgym.kit.warm_start import WarmStartConfig, warm_start
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import RolloutWorkerError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.records import Rollout
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.rollout.reconcile import reconcile_turns

@@ -21,9 +21,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.spread_reward import token_reward
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, RolloutWorkerError, VLLMServerError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.records import TrainingSample, TurnRecord
 from trainer.rollout.reconcile import reconcile_turns
 from trainer.training.logprobs import forward_packed

@@ -11,8 +11,8 @@ from datasets import Dataset
 
 from tests.trainer.rollout.test_scoring import _scoring_loop, make_group
 from tests.trainer.spread_reward import token_reward
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.records import Rollout, TrainingSequence
 from trainer.rollout.loop import AsyncRolloutLoop
 from trainer.sync.weight_sync import WeightSynchronizer

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from toolgym.launch.vllm_server import VLLMServerConfig, is_cpu_build
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import VLLMServerConfig, is_cpu_build
 from trainer.sync.backends import BACKENDS, default_backend, make_sender
 from trainer.sync.backends.shared_memory import SharedMemorySender
 from trainer.sync.lora_sync import runtime_lora_limits

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 from tests.trainer.spread_reward import token_reward
 from tests.trainer.sync.test_lora_sync import _logprobs, _sample
 from tests.trainer.training.torchrun import torchrun_two_ranks
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import ConfigError, WeightSyncError
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 from trainer.records import adapter_name
 from trainer.sync.lora_sync import LORA_CACHE_DIR, LoRAAdapterSync, runtime_lora_limits
 from trainer.vllm.admin import VLLMAdminClient

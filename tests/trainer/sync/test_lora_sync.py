@@ -12,8 +12,8 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import WeightSynchronizer
 from trainer.vllm.client import SamplerClient, SamplingParams
 

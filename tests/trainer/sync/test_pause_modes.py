@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolgym.launch.vllm_server import VLLMServer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync import weight_synchronizer
 from trainer.sync.weight_sync import WeightSynchronizer
 from trainer.vllm.admin import VLLMAdminClient

@@ -20,8 +20,8 @@ import torch.multiprocessing as tmp
 from datasets import Dataset
 
 from tests.trainer.training.torchrun import torchrun_two_ranks
-from toolgym.launch.vllm_server import VLLMServer, free_port
 from trainer.exceptions import RolloutWorkerError
+from trainer.launch.vllm_server import VLLMServer, free_port
 from trainer.records import TrainingSample, TrainingSequence
 from trainer.training.batching import MicroBatch
 from trainer.training.packing import build_row

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.trainer.training.torchrun import torchrun_two_ranks
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import checkpoint_manifest
 
 

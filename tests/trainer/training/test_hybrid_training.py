@@ -15,8 +15,8 @@ import torch
 from tests.trainer.spread_reward import token_reward
 from tests.trainer.test_async_trainer import _config, _dataset, _server_logprobs
 from toolgym.kit.tiny_model import build_tiny_model
-from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig, is_hybrid
 from trainer import AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig, is_hybrid
 from trainer.training.gated_deltanet import gated_deltanet_modules
 
 

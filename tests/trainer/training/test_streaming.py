@@ -13,9 +13,9 @@ from datasets import Dataset, IterableDataset
 
 from tests.trainer.test_async_trainer import recording_reward
 from tests.trainer.test_metric_definitions import QueueSource, _group
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer.exceptions import RolloutWorkerError
+from trainer.launch.vllm_server import VLLMServer
 from trainer.metrics import MetricWindow
 from trainer.rollout.prompt_order import first_row_columns, is_stream, map_style_rows, stream_rows
 from trainer.sync.weight_sync import WeightSynchronizer

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolgym.launch.vllm_server import free_port
+from trainer.launch.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from toolgym.launch.vllm_server import free_port
 from trainer.exceptions import VLLMServerError
+from trainer.launch.vllm_server import free_port
 from trainer.vllm import server_info
 from trainer.vllm.admin import VLLMAdminClient
 from trainer.vllm.server_info import LoRALimits, ServerInfo, read_server_info

@@ -12,8 +12,8 @@ from peft import LoraConfig
 
 from tests.trainer.spread_reward import token_reward
 from tests.trainer.vllm.counting_proxy import counting_proxy
-from toolgym.launch.vllm_server import VLLMServer
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer.launch.vllm_server import VLLMServer
 from trainer.sync.weight_sync import WeightSynchronizer
 
 WORKER_STARTS = ("GET", "/health")

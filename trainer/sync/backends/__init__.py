@@ -3,7 +3,7 @@
 The vLLM server says which backend it runs (:attr:`ServerInfo.weight_transfer_backend
 <trainer.vllm.server_info.ServerInfo.weight_transfer_backend>`, read once at start); the trainer
 takes that backend's sender from :data:`BACKENDS` (:func:`make_sender`). The launcher
-(:mod:`toolgym.launch.vllm_server`) starts servers with a name from the same table
+(:mod:`trainer.launch.vllm_server`) starts servers with a name from the same table
 (:func:`default_backend`), so both sides always agree.
 
 ========================  ========  ===============================================================

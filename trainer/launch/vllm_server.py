@@ -1,6 +1,7 @@
 """Start, wait for and stop a real ``vllm serve`` process with the flags the trainer needs.
 
-Used by the tests, the demo and ``toolgym vllm MODEL [--port P] [-- extra vllm flags]``::
+Used by ``launch_vllm`` (:mod:`trainer.launch.for_run`), ``toolgym vllm MODEL`` (:mod:`toolgym.cli.vllm`),
+the demo and the tests::
 
     with VLLMServer(VLLMServerConfig(model="path/to/model")) as server:
         print(server.base_url)          # http://127.0.0.1:<port>
@@ -21,7 +22,6 @@ with the tail of the server log.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import logging
@@ -37,8 +37,8 @@ from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 
-from toolgym.launch.readiness import wait_healthy
 from trainer.exceptions import ConfigError, VLLMServerError
+from trainer.launch.readiness import wait_healthy
 from trainer.sync.backends import BACKENDS, default_backend
 
 LOG_TAIL_CHARS = 6000
@@ -176,10 +176,9 @@ class VLLMServerConfig:
         return env
 
 
-def _set_parent_death_signal() -> None:
-    # Runs in the child before exec: its own process group (so we can stop the whole tree), and
-    # SIGTERM if the parent dies, so a killed test run leaves no server behind.
-    os.setsid()
+def stop_with_parent() -> None:
+    """In a child process before exec (``preexec_fn``): SIGTERM it when its parent dies, so a killed run
+    leaves no server behind (Linux; elsewhere nothing)."""
     try:
         import ctypes
 
@@ -188,6 +187,12 @@ def _set_parent_death_signal() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _set_parent_death_signal() -> None:
+    # Its own process group (so we can stop the whole tree), and SIGTERM if the parent dies.
+    os.setsid()
+    stop_with_parent()
 
 
 class VLLMServer:
@@ -292,45 +297,3 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
-
-
-def main(argv: list[str]) -> int:
-    """``toolgym vllm MODEL [--port P] [--max-model-len N] [-- extra vllm flags]``."""
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(prog="toolgym vllm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="model directory or id to serve")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max_model_len", "--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv_cache_gib", "--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--enable_lora", "--enable-lora", action="store_true",
-                        help="serve LoRA adapters loaded at run time (adapter-only sync of a LoRA model)")
-    parser.add_argument("--max_loras", "--max-loras", type=int, default=None,
-                        help="with --enable-lora: at least max_staleness + 2")
-    parser.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=None,
-                        help="with --enable-lora: at least the LoRA rank")
-    args = parser.parse_args(argv)
-    config = VLLMServerConfig(
-        model=args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
-        dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, enable_lora=args.enable_lora,
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        extra_args=extra,
-    )
-    server = VLLMServer(config)
-    print(f"starting: {' '.join(config.command(server.port))}", flush=True)
-    with server:
-        print(f"vLLM ready at {server.base_url} after {server.ready_s:.1f} s (log: {server.log_path}); "
-              "Ctrl-C stops it", flush=True)
-        try:
-            while server.alive():
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        if not server.alive():
-            print(server.log_tail(), file=sys.stderr)
-            return 1
-    return 0

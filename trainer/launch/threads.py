@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from toolgym.launch.vllm_server import is_cpu_build
+from trainer.launch.vllm_server import is_cpu_build
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

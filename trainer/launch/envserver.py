@@ -1,6 +1,6 @@
 """Start, wait for and stop an env server as a child process (``python -m envserver.cli SPECS``).
 
-Used by ``toolgym train --launch_envserver``, the benchmarks and the fault tests::
+Used by ``launch_envserver`` (:mod:`trainer.launch.for_run`), the demo, the benchmarks and the fault tests::
 
     with EnvServerProcess(["my_envs.counter:CounterEnv"]) as server:
         factory = remote_factory(server.url, "CounterEnv")
@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from envserver.exceptions import EnvServerError
-from toolgym.launch.readiness import wait_healthy
-from toolgym.launch.vllm_server import free_port
+from trainer.exceptions import EnvServerLaunchError
+from trainer.launch.readiness import wait_healthy
+from trainer.launch.vllm_server import free_port, stop_with_parent
 
 
 class EnvServerProcess:
@@ -50,15 +50,16 @@ class EnvServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EnvServerProcess:
-        """Start the process and wait until ``/health`` answers; :class:`EnvServerError` if it does not."""
+        """Start the process and wait until ``/health`` answers; :class:`EnvServerLaunchError` if it does not."""
         output = subprocess.DEVNULL if self.quiet else None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "envserver.cli", *self.specs, "--port", str(self.port), "--log_level", "warning",
-             *self.args], cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+             *self.args], cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+            preexec_fn=stop_with_parent)
         problem = wait_healthy(f"{self.url}/health", self.ready_timeout_s, self.process)
         if problem is not None:
             self.stop()
-            raise EnvServerError(f"the env server for {' '.join(self.specs)} {problem}")
+            raise EnvServerLaunchError(f"the env server for {' '.join(self.specs)} {problem}")
         return self
 
     def alive(self) -> bool:

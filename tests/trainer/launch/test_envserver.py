@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from envserver.exceptions import EnvServerError
-from toolgym.launch.envserver import EnvServerProcess
+from trainer.exceptions import EnvServerLaunchError
+from trainer.launch.envserver import EnvServerProcess
 
 
 def test_the_server_is_healthy_when_started_and_gone_when_stopped() -> None:
@@ -24,6 +24,6 @@ def test_the_server_is_healthy_when_started_and_gone_when_stopped() -> None:
 
 def test_a_server_that_cannot_start_is_reported_at_once() -> None:
     t0 = time.monotonic()
-    with pytest.raises(EnvServerError, match=r"no_such_module:Env exited with code 2 before it was ready"):
+    with pytest.raises(EnvServerLaunchError, match=r"no_such_module:Env exited with code 2 before it was ready"):
         EnvServerProcess(["no_such_module:Env"], quiet=True, ready_timeout_s=120).start()
     assert time.monotonic() - t0 < 60  # the process's exit ends the wait, not the timeout
