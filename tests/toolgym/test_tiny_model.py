@@ -101,3 +101,40 @@ def test_hybrid_architectures_build_offline_and_load(arch: str, tmp_path: Path) 
     assert any(n.startswith("model.visual.") for n, _ in model.named_parameters()) == (arch == "qwen3_5_vl")
     ids = torch.tensor([[1, 2, 3, 4]])
     assert model(input_ids=ids).logits.shape == (1, 4, VOCAB_SIZE)
+
+
+def test_help_says_what_it_builds_and_how_long_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("Qwen3-shaped model of about 1M parameters", "chat template", "--warm_start counter",
+                  "counter transcripts", "exactly as `make demo` builds it", "the demo's model",
+                  ".cache/warm-counter-v2-seed0", "a few seconds", "about two minutes"):
+        assert words in text, words
+
+
+def test_the_cli_and_the_demo_build_the_counter_model_with_one_function(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import inspect
+
+    from toolgym.kit import counter_experiment
+
+    builder = counter_experiment.build_warm_counter_model
+    calls: list[dict[str, object]] = []
+
+    def record(*args: object, **kwargs: object) -> Path:
+        bound = inspect.signature(builder).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return Path(str(bound.arguments["model_dir"]))
+    monkeypatch.setattr(counter_experiment, "build_warm_counter_model", record)
+
+    assert main([str(tmp_path / "cli"), "--warm_start", "counter"]) == 0  # toolgym tiny-model DIR --warm_start counter
+    demo_dir = counter_experiment.warm_model(tmp_path / "cache", seed=0)  # what make demo (toolgym demo) calls
+
+    assert demo_dir.name == "warm-counter-v2-seed0"
+    cli, demo = calls
+    assert Path(str(cli.pop("model_dir"))) == tmp_path / "cli" and Path(str(demo.pop("model_dir"))) == demo_dir
+    assert cli == demo == {"seed": 0, "steps": counter_experiment.WARM_START_STEPS, "family": "qwen3", "arch": "qwen3"}

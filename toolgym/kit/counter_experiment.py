@@ -25,33 +25,53 @@ EVAL_SETTINGS = {"max_completion_length": 48, "max_tool_calling_iterations": 8, 
 """The evaluations' rollout settings (the training run's lengths), in :func:`evaluate_counter` and
 :func:`counter_eval_argv` alike."""
 WARM_START_STEPS = 400
+DONE_MARKER = ".warm-start-done"
+"""Written into a warm-started model's folder once it is complete: :func:`warm_model` reuses such a folder."""
 
 
-def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS, family: str = "qwen3") -> Path:
-    """The tiny model warm-started on counter transcripts, built once and reused from ``cache``.
+def build_warm_counter_model(model_dir: str | Path, seed: int = 0, steps: int = WARM_START_STEPS,
+                             family: str = "qwen3", arch: str = "qwen3") -> Path:
+    """Build the tiny model in ``model_dir`` and warm-start it on counter transcripts: the demo's model.
+
+    What ``make demo`` (through :func:`warm_model`) and ``toolgym tiny-model DIR --warm_start counter``
+    both build: same seed, steps and task give the same weights on one machine.
 
     Args:
-        cache: Folder holding the built models (one sub-folder per seed, length and family).
+        model_dir: Where the model goes (created; its files replaced).
         seed: Seeds the model's initialisation, the transcripts and the fine-tune.
         steps: Optimizer steps of the warm start (400 take about two minutes of CPU time, more when
             the fine-tune restarts from a fresh initialisation: see ``WarmStartConfig.restart_check_step``).
         family: The model family whose chat template and call format the model learns (:mod:`trainer.families`).
+        arch: The tiny model's architecture (:data:`toolgym.kit.tiny_model.ARCHITECTURES`).
     """
     from toolgym.kit.tiny_model import build_tiny_model
     from toolgym.kit.warm_start import WarmStartConfig, warm_start
     from trainer.families import family_named
 
+    t0 = time.monotonic()
+    model_dir = build_tiny_model(model_dir, seed=seed, arch=arch, family=family_named(family))
+    result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
+    (model_dir / DONE_MARKER).write_text("ok\n")
+    print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir} "
+          f"({result.attempts} initialisation(s); probability of stepping to the target: "
+          f"{result.target_step_prob:.2f})")
+    return model_dir
+
+
+def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS, family: str = "qwen3") -> Path:
+    """The tiny model warm-started on counter transcripts (:func:`build_warm_counter_model`), built once and
+    reused from ``cache``.
+
+    Args:
+        cache: Folder holding the built models (one sub-folder per seed, length and family).
+        seed: Seeds the model's initialisation, the transcripts and the fine-tune.
+        steps: Optimizer steps of the warm start.
+        family: The model family whose chat template and call format the model learns.
+    """
     suffix = ("" if steps == WARM_START_STEPS else f"-steps{steps}") + ("" if family == "qwen3" else f"-{family}")
     model_dir = cache / f"warm-counter-v2-seed{seed}{suffix}"  # v2: the one-call policy of toolgym.kit.warm_start
-    done = model_dir / ".warm-start-done"
-    if not done.exists():
-        t0 = time.monotonic()
-        build_tiny_model(model_dir, seed=seed, family=family_named(family))
-        result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
-        done.write_text("ok\n")
-        print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir} "
-              f"({result.attempts} initialisation(s); probability of stepping to the target: "
-              f"{result.target_step_prob:.2f})")
+    if not (model_dir / DONE_MARKER).exists():
+        build_warm_counter_model(model_dir, seed, steps, family)
     return model_dir
 
 
