@@ -6,8 +6,9 @@ generation throughput, queue, staleness, step time, and the seconds the step wai
 with its 95 % interval, mean reward, pass@1 and pass@n); :class:`PlotCallback` writes
 ``plots/<metric>.png`` under the output directory when training ends (reward,
 ``frac_zero_std_groups``, completion length, throughput) and :func:`write_plots` does the same for
-any log history. :func:`report_completions` shows sample completions at a log
-(``log_completions``): a table on the console, a markdown table in TensorBoard, a ``wandb.Table``.
+any log history; :func:`display_callbacks` adds both to a trainer as its config's ``progress`` and
+``plots`` say. :func:`report_completions` shows sample completions at a log (``log_completions``): a
+table on the console, a markdown table in TensorBoard, a ``wandb.Table``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ProgressCallback(TrainerCallback):
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(highlight=False, soft_wrap=True)  # a row stays one line in a log file too
+        self.console = Console(highlight=False, soft_wrap=True)  # a row stays one line in a log file or pipe
         self._header_done = False
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
@@ -123,14 +124,38 @@ def write_plots(history: list[dict[str, Any]], folder: str | Path) -> list[Path]
 
 
 class PlotCallback(TrainerCallback):
-    """Writes the plots under ``<output_dir>/plots`` when training ends."""
+    """Writes the plots under ``<output_dir>/plots`` when training ends (and prints their paths if ``announce``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = False) -> None:
         self.written: list[Path] = []
+        self.announce = announce
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero:
             self.written = write_plots(state.log_history, Path(args.output_dir) / "plots")
+            for path in self.written if self.announce else []:
+                print(f"plot: {path}", flush=True)
+
+
+def display_callbacks(args: Any, callbacks: Sequence[Any] | None) -> list[Any]:
+    """``callbacks`` plus what ``args.progress`` and ``args.plots`` ask for (each once, even if given too).
+
+    ``progress="table"`` adds :class:`ProgressCallback` and sets ``args.disable_tqdm`` (so pass the
+    trainer's own copy of the config), which makes transformers add its ``PrinterCallback``: the
+    trainer removes that one once built. ``plots`` adds :class:`PlotCallback`, announcing its files
+    beside the table.
+    """
+    callbacks = list(callbacks or [])
+
+    def given(kind: type) -> bool:
+        return any(isinstance(c, kind) or (isinstance(c, type) and issubclass(c, kind)) for c in callbacks)
+    if args.progress == "table":
+        args.disable_tqdm = True
+        if not given(ProgressCallback):
+            callbacks.append(ProgressCallback())
+    if args.plots and not given(PlotCallback):
+        callbacks.append(PlotCallback(announce=args.progress == "table"))
+    return callbacks
 
 
 @dataclass

@@ -80,8 +80,8 @@ class _Recorder(TrainerCallback):
 def run(args: argparse.Namespace) -> None:
     """One instrumented demo run (``counter_trainer``), evaluated before and after."""
     from sdk import remote_factory
-    from toolgym.launch.envserver import EnvServerProcess
-    from toolgym.launch.vllm_server import VLLMServer, VLLMServerConfig
+    from trainer.launch.envserver import EnvServerProcess
+    from trainer.launch.vllm_server import VLLMServer, VLLMServerConfig
 
     torch.set_num_threads(1)
     out = Path(args.folder)

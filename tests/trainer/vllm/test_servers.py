@@ -9,9 +9,9 @@ import copy
 import pytest
 
 from tests.trainer.vllm.test_server_info import MODELS, fake_vllm
-from toolgym.launch.vllm_server import free_port
 from trainer.config import AsyncGRPOConfig, server_urls
 from trainer.exceptions import ConfigError
+from trainer.launch.vllm_server import free_port
 from trainer.vllm.admin import VLLMAdminClient
 from trainer.vllm.servers import read_servers_info
 
