@@ -96,7 +96,9 @@ def _check_routing(environment_factory: Any, train_dataset: Any) -> None:
             f"'environment' column, but train_dataset has none (columns: {columns}); add one, or pass a single "
             "factory")
     if hasattr(train_dataset, "__len__") and len(train_dataset) <= MAX_ROUTING_ROWS_CHECKED:
-        unknown = sorted({str(v) for v in train_dataset["environment"]} - set(environment_factory))
+        named = (train_dataset["environment"] if hasattr(train_dataset, "column_names")  # a datasets.Dataset
+                 else [row.get("environment") for row in train_dataset])  # a list of row dicts
+        unknown = sorted({str(v) for v in named} - set(environment_factory))
         if unknown:
             raise ConfigError(f"train_dataset's 'environment' column names {unknown}, which environment_factory "
                               f"does not have (it has {names})")

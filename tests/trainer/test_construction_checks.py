@@ -90,6 +90,13 @@ def test_a_dict_environment_factory_needs_an_environment_column(tiny_model_dir: 
     assert trainer.environment_factory is factories
 
 
+def test_a_list_of_rows_is_routed_like_a_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
+    factories = {"counter": CounterEnv, "other": CounterEnv}
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "environment": name} for name in ("counter", "nowhere")]
+    with pytest.raises(ConfigError, match=r"names \['nowhere'\], which environment_factory does not have"):
+        _trainer(tiny_model_dir, tmp_path, environment_factory=factories, train_dataset=rows)
+
+
 def test_a_dict_environment_factory_without_a_dataset_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     factories = {"counter": CounterEnv, "other": CounterEnv}
     with pytest.raises(ConfigError, match=r"environment_factory is a dict \(\['counter', 'other'\]\) and there is no "
