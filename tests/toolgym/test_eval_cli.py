@@ -46,7 +46,7 @@ REWARDS = textwrap.dedent("""
             time.sleep(1.0)
             Path(kwargs["marker"][0]).write_text("one episode has finished")
         if len(CALLS) > 1:
-            time.sleep(5.0)
+            time.sleep(20.0)  # the Ctrl-C lands first even on a loaded machine (CI once took over 5 s)
         return [0.0] * len(completions)
 """)
 
