@@ -23,7 +23,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "loss": (
         "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max", "num_sampler_logprobs",
+        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "tail_token_prob", "turn_baseline",
     ),
     "pipeline and sync": (
         "vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts", "max_staleness",
