@@ -89,6 +89,7 @@ def post(url: str, body: object, token: str | None = None) -> tuple[int, Any]:
         return exc.code, json.loads(text) if text.startswith(b"{") else text.decode()
 
 
+@pytest.mark.slow
 def test_openenvs_own_clients_drive_a_hosted_environment(server: ServerThread) -> None:
     out = json.loads(run_openenv_client(OPENENV_CLIENTS, server.url))
     assert out["reset"] == [{"prompt": "Increment the counter to 2.", "metadata": {}}, None, False]

@@ -36,6 +36,7 @@ def test_the_example_documents_its_commands() -> None:
     assert ".cache/openenv/venv/bin/python examples/openenv_counting.py" in doc
 
 
+@pytest.mark.slow
 def test_the_counting_environment_through_openenv_environment(openenv_url: str) -> None:
     async def episode() -> None:
         async with OpenEnvEnvironment(openenv_url) as env:

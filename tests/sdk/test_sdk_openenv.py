@@ -48,6 +48,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+@pytest.mark.slow
 def test_action_style_environment_has_one_step_tool_with_the_action_schema(urls: dict[str, str]) -> None:
     async def episode() -> None:
         async with OpenEnvEnvironment(urls["action"]) as env:
@@ -78,6 +79,7 @@ def test_action_style_environment_has_one_step_tool_with_the_action_schema(urls:
     run(episode())
 
 
+@pytest.mark.slow
 def test_mcp_style_environment_lists_its_tools_and_scores_each_call(urls: dict[str, str]) -> None:
     async def episode() -> None:
         async with OpenEnvEnvironment(urls["mcp"], reward="sum") as env:
@@ -95,6 +97,7 @@ def test_mcp_style_environment_lists_its_tools_and_scores_each_call(urls: dict[s
     run(episode())
 
 
+@pytest.mark.slow
 def test_mcp_tool_failures_are_tool_errors_and_the_session_goes_on(urls: dict[str, str]) -> None:
     async def episode() -> None:
         async with OpenEnvEnvironment(urls["mcp"]) as env:
@@ -110,6 +113,7 @@ def test_mcp_tool_failures_are_tool_errors_and_the_session_goes_on(urls: dict[st
     run(episode())
 
 
+@pytest.mark.slow
 def test_a_step_past_the_message_timeout_is_a_tool_timeout_then_the_episode_is_lost(urls: dict[str, str]) -> None:
     async def episode() -> None:
         async with OpenEnvEnvironment(urls["mcp"], message_timeout=5.0) as env:  # room for a loaded machine
@@ -126,6 +130,7 @@ def test_a_step_past_the_message_timeout_is_a_tool_timeout_then_the_episode_is_l
     run(episode())
 
 
+@pytest.mark.slow
 def test_a_server_at_capacity_refuses_with_server_full(urls: dict[str, str]) -> None:
     async def two_sessions() -> None:
         async with OpenEnvEnvironment(urls["mcp1"]) as first, OpenEnvEnvironment(urls["mcp1"]) as second:
@@ -185,6 +190,7 @@ def test_a_connection_dropped_mid_episode_is_reported_not_replaced() -> None:
     run(_serve_once(handler, check))
 
 
+@pytest.mark.slow
 def test_usable_as_environment_factories_with_the_trainers_pooling(urls: dict[str, str]) -> None:
     factories = {"action": functools.partial(OpenEnvEnvironment, urls["action"]),
                  "mcp": functools.partial(OpenEnvEnvironment, urls["mcp"])}

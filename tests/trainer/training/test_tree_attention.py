@@ -136,6 +136,7 @@ def test_llama_runs_unchanged_on_a_packed_row() -> None:
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flex_block_mask_matches_the_dense_mask() -> None:
     compiled_flex = torch.compile(torch.nn.attention.flex_attention.flex_attention)
     samples = [s for seed in range(8) for s in random_groups(seed)]
