@@ -111,7 +111,10 @@ def test_the_python_environment_says_the_run_ran_out_of_memory(containment):
         pytest.skip("only a cgroup counts the run's processes together")
     env = PythonExecEnv(Limits(memory_bytes=256 * MiB))
     env.reset()
-    out = env.run_code("import os\nos.fork()\nblock = bytearray(200 << 20)\nprint('held')")
+    # Both processes hold their block together (the sleep): one that allocated after the other had exited
+    # would never push the run past its ceiling.
+    out = env.run_code("import os, time\nos.fork()\nblock = bytearray(200 << 20)\nprint('held', flush=True)\n"
+                       "time.sleep(2)")
     assert "[killed: the run held more than its memory limit of 288 MiB]" in out
     assert env.solution is None  # a run killed for its memory is not a solution
 
