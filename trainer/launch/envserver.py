@@ -16,7 +16,7 @@ from types import TracebackType
 
 from trainer.exceptions import EnvServerLaunchError
 from trainer.launch.readiness import wait_healthy
-from trainer.launch.vllm_server import free_port, stop_with_parent
+from trainer.launch.vllm_server import child_preexec, free_port
 
 
 class EnvServerProcess:
@@ -55,7 +55,7 @@ class EnvServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "envserver.cli", *self.specs, "--port", str(self.port), "--log_level", "warning",
              *self.args], cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-            preexec_fn=stop_with_parent)
+            preexec_fn=child_preexec())
         problem = wait_healthy(f"{self.url}/health", self.ready_timeout_s, self.process)
         if problem is not None:
             self.stop()

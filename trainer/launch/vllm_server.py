@@ -31,7 +31,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -178,7 +180,8 @@ class VLLMServerConfig:
 
 def stop_with_parent() -> None:
     """In a child process before exec (``preexec_fn``): SIGTERM it when its parent dies, so a killed run
-    leaves no server behind (Linux; elsewhere nothing)."""
+    leaves no server behind (Linux; elsewhere nothing). Linux sends it when the *thread* that started
+    the child ends: use it only for a child started from the main thread (:func:`child_preexec`)."""
     try:
         import ctypes
 
@@ -189,10 +192,19 @@ def stop_with_parent() -> None:
         pass
 
 
-def _set_parent_death_signal() -> None:
-    # Its own process group (so we can stop the whole tree), and SIGTERM if the parent dies.
-    os.setsid()
-    stop_with_parent()
+def child_preexec(new_session: bool = False) -> Callable[[], None]:
+    """The ``preexec_fn`` of a server started here: its own process group if ``new_session`` (so the whole
+    tree can be stopped), and SIGTERM when this process dies, when started from the main thread. A
+    server started from another thread (a watcher restarting it) gets no such signal: Linux would send
+    it as soon as that thread returned."""
+    from_main_thread = threading.current_thread() is threading.main_thread()
+
+    def preexec() -> None:
+        if new_session:
+            os.setsid()
+        if from_main_thread:
+            stop_with_parent()
+    return preexec
 
 
 class VLLMServer:
@@ -224,7 +236,7 @@ class VLLMServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_set_parent_death_signal,
+            preexec_fn=child_preexec(new_session=True),
         )
         log.close()
         atexit.register(self.stop)
