@@ -29,6 +29,16 @@ DONE_MARKER = ".warm-start-done"
 """Written into a warm-started model's folder once it is complete: :func:`warm_model` reuses such a folder."""
 
 
+def _digit_weight(family: str) -> float:
+    """The warm start's ``digit_weight`` for ``family``'s call layout.
+
+    Qwen3's JSON call lets the tiny model copy the target through an induction head; other layouts need
+    the digits' loss raised to learn reading the target at all (:class:`toolgym.kit.warm_start.WarmStartConfig`).
+    Qwen3 keeps 1, so the demo's model, and every figure measured with it, stays as it was.
+    """
+    return 1.0 if family == "qwen3" else 10.0
+
+
 def build_warm_counter_model(model_dir: str | Path, seed: int = 0, steps: int = WARM_START_STEPS,
                              family: str = "qwen3", arch: str = "qwen3") -> Path:
     """Build the tiny model in ``model_dir`` and warm-start it on counter transcripts: the demo's model.
@@ -50,7 +60,8 @@ def build_warm_counter_model(model_dir: str | Path, seed: int = 0, steps: int = 
 
     t0 = time.monotonic()
     model_dir = build_tiny_model(model_dir, seed=seed, arch=arch, family=family_named(family))
-    result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps))
+    result = warm_start(model_dir, WarmStartConfig(task="counter", seed=seed, steps_per_task=steps,
+                                                   digit_weight=_digit_weight(family)))
     (model_dir / DONE_MARKER).write_text("ok\n")
     print(f"built and warm-started the tiny model in {time.monotonic() - t0:.0f} s -> {model_dir} "
           f"({result.attempts} initialisation(s); probability of stepping to the target: "
@@ -68,7 +79,8 @@ def warm_model(cache: Path, seed: int, steps: int = WARM_START_STEPS, family: st
         steps: Optimizer steps of the warm start.
         family: The model family whose chat template and call format the model learns.
     """
-    suffix = ("" if steps == WARM_START_STEPS else f"-steps{steps}") + ("" if family == "qwen3" else f"-{family}")
+    suffix = ("" if steps == WARM_START_STEPS else f"-steps{steps}") + (
+        "" if family == "qwen3" else f"-{family}-digits{_digit_weight(family):g}")
     model_dir = cache / f"warm-counter-v2-seed{seed}{suffix}"  # v2: the one-call policy of toolgym.kit.warm_start
     if not (model_dir / DONE_MARKER).exists():
         build_warm_counter_model(model_dir, seed, steps, family)

@@ -110,6 +110,15 @@ class WarmStartConfig:
             seeds, about half each way), so waiting longer does not help. The rest of the
             transcripts follow the imperfect policy (``exact_step_prob``).
         max_attempts: Initialisations tried before keeping the last one (with a warning).
+        digit_weight: Loss weight of the trained digit tokens (the counter's step, the final answer's
+            number, the arithmetic answer) against 1 for every other trained token. Whether the model
+            can read the target cheaply depends on the call layout: in Qwen3's JSON call the step
+            follows the same `` `` token as the target in the prompt (``... to 3.`` / ``"step": 3``),
+            so one induction head copies it; in an XML layout (Qwen3.5's ``<parameter=step>\n3``)
+            nothing in front of the step matches the prompt, and at weight 1 the model sat at chance
+            (probability 0.165 of the target's step after 200 steps, four initialisations in a row).
+            At 10 the same run reached 0.81 at step 150 and 0.90 at step 200 (only exact steps,
+            ``bench/e2e/README.md``).
         empty_think_prob: Fraction of counter transcripts whose assistant turns open with an empty
             reasoning block (``<think>\n\n</think>\n\n``), as Qwen3-style templates open every turn
             when thinking is off. A model that never saw the block loses the call format after it
@@ -131,6 +140,7 @@ class WarmStartConfig:
     exact_step_prob: float = 0.4
     restart_check_step: int = 150
     max_attempts: int = 4
+    digit_weight: float = 1.0
     empty_think_prob: float = 0.0
     arithmetic_max: int = 5
     arithmetic_error_rate: float = 0.3
@@ -144,6 +154,8 @@ class WarmStartConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.digit_weight <= 0:
+            raise ConfigError(f"digit_weight must be > 0, got {self.digit_weight}")
         for name in ("exact_step_prob", "arithmetic_error_rate", "empty_think_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -313,13 +325,24 @@ class _ProgressLines(TrainerCallback):
             self.losses.clear()
 
 
+_DIGITS = frozenset("0123456789")
+
+
 class _TreePackedTrainer(Trainer):
     """A ``Trainer`` whose batch is one tree-packed row (:mod:`trainer.training.packing`).
 
     The transcripts of a counter batch share their first ~170 tokens (system prompt, tool schema,
     ``Increment the counter to``): packed as a prefix trie, those are forwarded once per batch
     instead of once per transcript, and nothing is padded; the loss is unchanged.
+
+    Args:
+        digit_ids: The tokenizer's digit tokens, whose loss is weighted by ``digit_weight``.
+        digit_weight: See :class:`WarmStartConfig`.
     """
+
+    def __init__(self, *args: Any, digit_ids: torch.Tensor, digit_weight: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.digit_ids, self.digit_weight = digit_ids, digit_weight
 
     def compute_loss(
         self,
@@ -328,8 +351,10 @@ class _TreePackedTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, Any]]:
-        logp = forward_packed(model, inputs["row"], temperature=1.0).logp  # (T,) trained tokens of the batch
-        loss = -logp.mean()  # negative log-likelihood per assistant token
+        row = inputs["row"]
+        logp = forward_packed(model, row, temperature=1.0).logp  # (T,) trained tokens of the batch
+        weight = torch.where(torch.isin(row.target_ids, self.digit_ids), self.digit_weight, 1.0)
+        loss = -(weight * logp).sum() / weight.sum()  # weighted negative log-likelihood per assistant token
         return (loss, {}) if return_outputs else loss
 
 
@@ -464,6 +489,8 @@ def _fine_tune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trans
             args=args,
             train_dataset=transcripts,
             data_collator=lambda batch: {"row": build_row([_training_sample(tokenizer, t) for t in batch])},
+            digit_ids=torch.tensor([id_ for token, id_ in tokenizer.get_vocab().items() if token in _DIGITS]),
+            digit_weight=config.digit_weight,
         )
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(_ProgressLines())
