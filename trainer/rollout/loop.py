@@ -46,7 +46,7 @@ from trainer.rollout.telemetry import LoopTelemetry
 from trainer.rollout.tool_runner import ToolRunner, tools_from_functions
 from trainer.rollout.worker import WorkerChannels, heartbeat, require_channels, wait_for_stop
 from trainer.vllm.client import SamplerClient, SamplingParams
-from trainer.vllm.server_info import check_turn_length, truncates
+from trainer.vllm.server_info import check_turn_length, truncates, turn_fits
 
 __all__ = ["AsyncRolloutLoop"]
 
@@ -187,6 +187,12 @@ class AsyncRolloutLoop:
             newest = adapter_name(lora_name, self.policy_version)
             return await self.sampler.complete(prompt_ids, params, model=newest)
 
+    def _turn_fits(self, prompt_len: int) -> bool:
+        """Whether a turn with this prompt fits the server's ``max_model_len`` (see :meth:`generate_one`)."""
+        params = self.params
+        return turn_fits(prompt_len, params.max_tokens, self.settings.server.max_model_len,
+                         truncates(params.top_k, params.top_p, params.min_p))
+
     def rollout_model(self) -> str | None:
         """The ``model`` a request of the current rollout asks for: ``None`` (the base model) without
         adapter-only LoRA sync, else the adapter of the version the rollout's group started under, or
@@ -222,7 +228,10 @@ class AsyncRolloutLoop:
 
         Each turn renders the whole conversation with the chat template (tools as JSON schemas),
         samples with :meth:`generate_one_turn`, parses the tool calls and runs them in emitted order,
-        until a turn calls no tool or ``max_tool_calling_iterations`` is reached. Only the text a turn
+        until a turn calls no tool, ``max_tool_calling_iterations`` is reached, or the conversation has
+        grown past what the server can continue (a later turn's prompt plus ``max_completion_length``
+        over its ``max_model_len``: the rollout ends before that turn, ``rollout/context_full_frac``;
+        a first turn that does not fit stops the run, as :meth:`generate_one_turn` says). Only the text a turn
         added is tokenized again (:class:`~trainer.rollout.prompt_render.ConversationRenderer`; the ids are
         those of a full render).
         """
@@ -239,9 +248,12 @@ class AsyncRolloutLoop:
         turns: list[TurnRecord] = []
         completion: list[dict[str, Any]] = []
         calls = failures = iterations = 0
-        exhausted = False
+        exhausted = context_full = False
         while True:
             prompt_ids = render(messages)
+            if turns and not self._turn_fits(len(prompt_ids)):
+                context_full = True
+                break
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
             text = completion_text(self.tokenizer, turn.output_ids, self.eos_token_ids)
@@ -267,6 +279,7 @@ class AsyncRolloutLoop:
                 tool_message = family.tool_message(call, outcome.content)
                 messages.append(tool_message)
                 completion.append(tool_message)
+        self.records.add("rollout/context_full_frac", float(context_full))
         if tools:  # the tool metrics exist only when the model was shown tools
             self.records.add("tools/loop_exhausted_frac", float(exhausted))
             self.records.add("tools/call_frequency", calls)

@@ -252,6 +252,12 @@ def check_turn_length(prompt_len: int, max_tokens: int, max_model_len: int, trun
     return min(room, max_tokens)
 
 
+def turn_fits(prompt_len: int, max_tokens: int, max_model_len: int, truncating: bool) -> bool:
+    """Whether a turn of ``prompt_len`` prompt tokens can be sampled without :func:`check_turn_length` refusing."""
+    room = max_model_len - prompt_len
+    return room >= max_tokens or (truncating and room > 0)
+
+
 def dtype_mismatch(info: ServerInfo, trainer_dtype: str) -> str | None:
     """The warning to give when the trainer's ``dtype`` and the server's ``--dtype`` differ, else ``None``."""
     if info.dtype is None or trainer_dtype == "auto" or info.dtype == trainer_dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,14 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import get_json_schema
 
 from environments.counter import IncrementEnv
 from envserver import EnvSpec, ServerConfig, ServerThread
 from sdk import environment_tools, remote_factory
 from toolgym.kit.warm_start import WarmStartConfig, warm_start
 from trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer.exceptions import RolloutWorkerError
+from trainer.exceptions import RolloutWorkerError, VLLMServerError
 from trainer.launch.vllm_server import VLLMServer
 from trainer.records import Rollout
 from trainer.rollout.loop import AsyncRolloutLoop
@@ -175,6 +177,29 @@ def test_local_environment_multi_turn_rollout(warm_server: VLLMServer, warm_mode
     # The tool results the model saw are the environment's real counter values.
     counters = [int(m["content"]) for m in rollout.completion if m["role"] == "tool"]
     assert counters == sorted(counters) and all(c > 0 for c in counters)
+
+
+def test_a_conversation_past_max_model_len_ends_the_rollout_not_the_run(warm_server: VLLMServer,
+                                                                      warm_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(warm_model_dir)
+    env = IncrementEnv()
+    first = [{"role": "user", "content": env.reset(target=3)}]
+    first_len = len(tokenizer.apply_chat_template(first, tools=[get_json_schema(env.increment)],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+    settings = RolloutSettings.from_server(warm_server.base_url, str(warm_model_dir), max_completion_length=48)
+    # Room for the first turn; the second prompt holds the first call and its result (over 8 tokens) as well.
+    small = replace(settings, server=replace(settings.server, max_model_len=first_len + 48 + 8))
+    loop = AsyncRolloutLoop(small, tokenizer, environment_factory=IncrementEnv)
+    results = _rollouts(loop, [{"target": 3}] * 4)
+    called = [r for _, r, _ in results if r.tool_call_count]
+    assert called, "the warm model should call the tool in at least one of the rollouts"
+    assert all(len(r.turns) == 1 and r.completion[-1]["role"] == "tool" for r in called)
+    full = [num for _, name, num, _ in loop.records.take() if name == "rollout/context_full_frac"]
+    assert len(full) == 4 and sum(full) == len(called)
+    # A first turn that cannot fit is the configuration's error, not the rollout's.
+    tiny = replace(settings, server=replace(settings.server, max_model_len=first_len + 8))
+    with pytest.raises(VLLMServerError, match="maximum context length"):
+        _rollouts(AsyncRolloutLoop(tiny, tokenizer, environment_factory=IncrementEnv), [{"target": 3}])
 
 
 def test_remote_environment_multi_turn_rollout(warm_server: VLLMServer, warm_model_dir: Path, tmp_path: Path) -> None:
