@@ -14,6 +14,15 @@ if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [
     apt-get update -q && apt-get install -y -q bubblewrap
 fi
 
+# The env server image's test (tests/deploy/test_container_image.py) builds and starts it with podman: runc
+# beside it, since Debian 12's crun cannot start containers on a hybrid cgroup layout, and debootstrap for
+# the base image, since no registry of images is reachable. Without them that test skips, saying why.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+        && ! { command -v podman && command -v runc && command -v debootstrap; } >/dev/null 2>&1; then
+    { apt-get update -q && apt-get install -y -q podman runc debootstrap; } \
+        || echo "setup: podman, runc or debootstrap did not install; the container image test will skip"
+fi
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
     echo "setup: $venv is up to date"
     exit 0
