@@ -21,6 +21,7 @@ from trainer.families import (
     families,
     typed_value,
 )
+from trainer.families.mistral import call_id
 
 TOOLS = [{"type": "function", "function": {"name": "increment", "parameters": {"type": "object", "properties": {
     "step": {"type": "integer"}, "note": {"type": "string"}, "fast": {"type": "boolean"},
@@ -178,6 +179,18 @@ def test_deepseek_reads_v3_1_calls_too() -> None:
 def test_mistral_reads_the_older_json_list_form() -> None:
     text = ' [TOOL_CALLS] [{"name": "increment", "arguments": {"step": 2}}, {"name": "increment", "arguments": {}}]'
     assert MISTRAL.parse(text) == ("", [ONE, ToolCall(name="increment", arguments={})])
+
+
+def test_mistral_keeps_a_call_id_and_answers_every_call_with_one() -> None:
+    # Mistral 7B v0.3's stock template raises on a tool result without its call's 9-character id.
+    text = '[TOOL_CALLS] [{"name": "increment", "arguments": {"step": 2}, "id": "a1B2c3D4e"}]'
+    (call,) = MISTRAL.parse(text)[1]
+    assert call == {**ONE, "id": "a1B2c3D4e"}
+    assert MISTRAL.tool_message(call, "2")["tool_call_id"] == "a1B2c3D4e"
+    (bare,) = MISTRAL.parse('[TOOL_CALLS]increment[ARGS]{"step": 2}')[1]
+    derived = MISTRAL.tool_message(bare, "2")["tool_call_id"]
+    assert len(derived) == 9 and derived.isalnum() and derived == call_id(bare)
+    assert call_id({"name": "increment", "arguments": {"step": 3}}) != derived
 
 
 def test_llama_reads_arguments_and_calls_after_the_python_tag() -> None:
