@@ -13,6 +13,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,15 +64,10 @@ def _watch_paused(admin: VLLMAdminClient, seen: list[bool], stop: threading.Even
         seen.append(bool(admin.request("GET", "/is_paused")["is_paused"]))
 
 
-@pytest.mark.parametrize(("mode", "preempts"), [("reset", True), ("keep", False), ("none", False)])
-def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tiny_model_dir: Path,
-                         restore_served_weights: WeightSynchronizer) -> None:
-    base = vllm_server.base_url
-    admin = VLLMAdminClient(base, timeout_s=120)
-    sync = weight_synchronizer(base, tiny_model_dir, pause_mode=mode)
-    weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
-    model = admin.request("GET", "/v1/models")["data"][0]["id"]
-    before = _load(base).preemptions
+def _sync_through_requests(base: str, model: str, sync: WeightSynchronizer, weights: list[Any],
+                           version: int) -> tuple[int, list[bool], list[int]]:
+    """Stream the long requests and sync once they run; returns how many still ran after the sync, what
+    ``/is_paused`` said during it, and each request's streamed tokens."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         completions = pool.submit(_streamed_completions, base, model, started)
@@ -82,19 +78,37 @@ def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tin
         watcher = threading.Thread(target=_watch_paused, args=(VLLMAdminClient(base, timeout_s=30), paused, stop))
         watcher.start()
         try:
-            sync.sync(weights, version=1)
+            sync.sync(weights, version=version)
         finally:
             stop.set()
             watcher.join()
         # Every sequence streamed before the sync; still going after it, each was running through it.
         running = 0 if completions.done() else REQUESTS
-        if mode != "none":  # without a pause generation goes on, and a slow sync may outlast every request;
-            # that requests were running at its start and the server never paused is what "none" shows
-            assert running, "the requests finished during the sync: the test proves nothing"
-        if mode == "none":  # (a pause of the other modes is too short to be seen by every poll)
-            assert paused and not any(paused), f"the server paused during the sync: {paused}"
-        lengths = completions.result(timeout=300)
-    assert lengths == [LONG] * REQUESTS
+        return running, paused, completions.result(timeout=300)
+
+
+@pytest.mark.parametrize(("mode", "preempts"), [("reset", True), ("keep", False), ("none", False)])
+def test_sync_under_load(mode: str, preempts: bool, vllm_server: VLLMServer, tiny_model_dir: Path,
+                         restore_served_weights: WeightSynchronizer) -> None:
+    base = vllm_server.base_url
+    admin = VLLMAdminClient(base, timeout_s=120)
+    sync = weight_synchronizer(base, tiny_model_dir, pause_mode=mode)
+    weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
+    model = admin.request("GET", "/v1/models")["data"][0]["id"]
+    for attempt in range(1, 4):
+        before = _load(base).preemptions
+        running, paused, lengths = _sync_through_requests(base, model, sync, weights, attempt)
+        assert lengths == [LONG] * REQUESTS
+        # Without a pause generation goes on, and a slow sync may outlast every request: that requests were
+        # running at its start and the server never paused is what "none" shows. The other modes need
+        # requests still running after the sync; on a loaded machine the sync's staging can outlast them
+        # (seen twice in full runs at load 5-13): such an attempt proves nothing and is made again.
+        if mode == "none" or running:
+            break
+    if mode != "none":
+        assert running, "in three attempts the requests finished during the sync: the test proves nothing"
+    if mode == "none":  # (a pause of the other modes is too short to be seen by every poll)
+        assert paused and not any(paused), f"the server paused during the sync: {paused}"
     # The engine publishes its counters with a later step's stats: read them once every request is done,
     # and give an idle engine a step to publish them with (a one-token request).
     deadline = time.monotonic() + 30
