@@ -229,6 +229,12 @@ def candidate_path(info: ServerInfo, top_k: int, top_p: float, min_p: float | No
     return "full_vocab"
 
 
+def turn_fits(prompt_len: int, max_tokens: int, max_model_len: int, truncating: bool) -> bool:
+    """Whether a turn of ``prompt_len`` prompt tokens can be sampled without :func:`check_turn_length` refusing."""
+    room = max_model_len - prompt_len
+    return room >= max_tokens or (truncating and room > 0)
+
+
 def check_turn_length(prompt_len: int, max_tokens: int, max_model_len: int, truncating: bool) -> int:
     """The ``max_tokens`` a turn may ask for, or :class:`VLLMServerError` when the turn cannot be sampled.
 
@@ -238,24 +244,18 @@ def check_turn_length(prompt_len: int, max_tokens: int, max_model_len: int, trun
     turn is cut at ``max_model_len``, and only a prompt already that long is refused.
     """
     room = max_model_len - prompt_len
+    if turn_fits(prompt_len, max_tokens, max_model_len, truncating):
+        return min(room, max_tokens)
     if room <= 0:
         raise VLLMServerError(
             f"this model's maximum context length is {max_model_len} tokens (the server's --max-model-len) and the "
             f"turn's prompt already has {prompt_len}: raise --max-model-len, or shorten the prompt / the conversation "
             "(max_tool_calling_iterations)")
-    if room < max_tokens and not truncating:
-        raise VLLMServerError(
-            f"this model's maximum context length is {max_model_len} tokens (the server's --max-model-len), but the "
-            f"turn asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, max_completion_length={max_tokens}"
-            f" in the completion): raise --max-model-len to at least {prompt_len + max_tokens}, or lower "
-            "max_completion_length")
-    return min(room, max_tokens)
-
-
-def turn_fits(prompt_len: int, max_tokens: int, max_model_len: int, truncating: bool) -> bool:
-    """Whether a turn of ``prompt_len`` prompt tokens can be sampled without :func:`check_turn_length` refusing."""
-    room = max_model_len - prompt_len
-    return room >= max_tokens or (truncating and room > 0)
+    raise VLLMServerError(
+        f"this model's maximum context length is {max_model_len} tokens (the server's --max-model-len), but the "
+        f"turn asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, max_completion_length={max_tokens}"
+        f" in the completion): raise --max-model-len to at least {prompt_len + max_tokens}, or lower "
+        "max_completion_length")
 
 
 def dtype_mismatch(info: ServerInfo, trainer_dtype: str) -> str | None:
