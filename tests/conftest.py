@@ -6,6 +6,7 @@ restore the original ones before they return (see ``restore_served_weights``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ SERVER_MAX_MODEL_LEN = 1024
 torch.set_num_threads(1)
 
 
-VLLM_FIXTURES = {"vllm_server", "restore_served_weights"}
+VLLM_FIXTURES = {"vllm_server", "restore_served_weights", "two_vllm_servers"}
 """Fixtures that start (or need) the shared vLLM server: a test using one is marked ``vllm``."""
 
 
@@ -61,6 +62,28 @@ def vllm_server(tiny_model_dir: Path) -> Iterator[VLLMServer]:
     server = VLLMServer(VLLMServerConfig(model=str(tiny_model_dir), max_model_len=SERVER_MAX_MODEL_LEN))
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def two_vllm_servers(tiny_model_dir: Path) -> Iterator[list[VLLMServer]]:
+    """Two more real vLLM CPU servers on the tiny model, started together once per test session, for the
+    tests of several servers (``tests/trainer/vllm/test_several_servers.py``). A test that kills one puts a
+    new one on the same port in the list before it returns; whatever the list holds is stopped at the end."""
+    # Each engine on a core of its own: two vLLM CPU engines bound to the same cores (vLLM's default binds
+    # each to all of them) spin against each other, and one ran 4x slower than the other here.
+    cores = os.cpu_count() or 1
+    servers = [VLLMServer(VLLMServerConfig(model=str(tiny_model_dir), max_model_len=SERVER_MAX_MODEL_LEN,
+                                           extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}))
+               for i in range(2)]
+    try:
+        for server in servers:
+            server.start(wait=False)  # both start at once: vLLM's start is most of the cost
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture()

@@ -69,7 +69,9 @@ from trainer.training.stall import StallReport, StallWatch
 from trainer.training.step_guard import StepGuard
 from trainer.training.tree_attention import enable_tree_attention
 from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.fleet import FleetState
 from trainer.vllm.server_info import ServerInfo, candidate_path, dtype_mismatch, read_server_info
+from trainer.vllm.servers import read_servers, read_servers_info
 
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
@@ -330,7 +332,7 @@ class AsyncGRPOTrainer(Trainer):
     def get_train_dataloader(self) -> MicroBatchStream | StepFeed:  # type: ignore[override]
         """Start the pipeline and return the micro-batch stream that replaces the DataLoader.
 
-        Four steps: where to start (:meth:`_resume_position`), the vLLM server read once and the weight
+        Four steps: where to start (:meth:`_resume_position`), the vLLM servers read once and the weight
         sync connected (:meth:`_connect_server`), the rollout worker started (:meth:`_start_worker`), the
         stream over its queue (:meth:`_make_stream`). With several processes only rank 0 does that; the
         others get the :class:`StepFeed` through which rank 0 sends them each step's micro-batches
@@ -338,17 +340,18 @@ class AsyncGRPOTrainer(Trainer):
         """
         args = self.args
         start, done, version = self._resume_position()
-        admin = VLLMAdminClient(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+        admins = [VLLMAdminClient(url, timeout_s=args.vllm_server_timeout) for url in args.vllm_server_base_urls]
         if self.accelerator.num_processes > 1:
             self.feed = StepFeed(timeout_s=args.rollout_worker_timeout, group_timeout_s=args.ddp_timeout)
             if not self.is_world_process_zero():
                 if self.is_fsdp_enabled:  # it gathers with rank 0, so it learns the way of the syncs too
-                    self._policy_sync.connect(admin, read_server_info(admin), sharded=True)
+                    self._policy_sync.connect(admins, read_server_info(admins[0]), sharded=True)
                 self.feed.wait_ready()
                 return self.feed
-        server = self._connect_server(admin, version)
-        self.worker = self._start_worker(server, start, done, version)
-        self.stream = self._make_stream(args.token_budget or server.max_model_len, start, done, version)
+        fleet = FleetState.create(spawn_context(), len(admins), version)
+        servers = self._connect_server(admins, version, fleet)
+        self.worker = self._start_worker(servers, start, done, version, fleet)
+        self.stream = self._make_stream(args.token_budget or servers[0].max_model_len, start, done, version)
         if self.feed is not None:
             self.feed.mark_ready()
         return self.stream
@@ -366,23 +369,26 @@ class AsyncGRPOTrainer(Trainer):
         self._step_feed_state = StepPayload([], epoch_done=False, first_untrained=start, policy_version=version)
         return start, done, version
 
-    def _connect_server(self, admin: VLLMAdminClient, version: int) -> ServerInfo:
-        """Read the server once (waiting for it up to ``vllm_server_timeout``), connect the weight sync,
-        and bring a resumed policy (or adapter version 0) to the server."""
-        server = read_server_info(admin)
+    def _connect_server(self, admins: list[VLLMAdminClient], version: int, fleet: FleetState) -> list[ServerInfo]:
+        """Read each server once (waiting for it up to ``vllm_server_timeout``; they must agree), connect
+        the weight sync to them, and bring a resumed policy (or adapter version 0) to every server."""
+        servers = read_servers_info(admins)
+        server = servers[0]
         mismatch = dtype_mismatch(server, str(next(self.model.parameters()).dtype).removeprefix("torch."))
         if mismatch:
             logger.warning(mismatch)
-        self._policy_sync.connect(admin, server, sharded=self.is_fsdp_enabled)
+        self._policy_sync.connect(admins, server, sharded=self.is_fsdp_enabled, fleet=fleet)
         # Resumed: the server still has the initial weights. Adapter sync: version 0 is an adapter too.
         if (version > 0 or self._policy_sync.adapter is not None) and not self.is_fsdp_enabled:  # FSDP: _start_sharded
             self._policy_sync.sync(version, barrier=False)  # the other ranks wait in StepFeed.wait_ready
-        return server
+        return servers
 
-    def _start_worker(self, server: ServerInfo, start: int, done: list[int], version: int) -> RolloutWorker:
+    def _start_worker(self, servers: list[ServerInfo], start: int, done: list[int], version: int, fleet: FleetState
+                      ) -> RolloutWorker:
         """The rollout worker with its settings, channels and staleness allowance (started now, or with
         FSDP once training begins: :meth:`_start_sharded`)."""
         args = self.args
+        server = servers[0]  # they agree (read_servers_info)
         token_budget = args.token_budget or server.max_model_len
         rule = cast(AllowanceRule, args.staleness_allowance)  # one of them: AsyncGRPOConfig checks it
         self._allowance = StalenessAllowance(rule, args.max_staleness, token_budget * self.accelerator.num_processes
@@ -390,12 +396,12 @@ class AsyncGRPOTrainer(Trainer):
         ctx = spawn_context()
         sized = self.rollout_dataset is not None and not is_stream(self.rollout_dataset)
         channels = WorkerChannels.create(ctx, initial_allowance=self._allowance.initial, initial_version=version,
-                                         epoch_size=len(self.rollout_dataset) if sized else 0)
+                                         epoch_size=len(self.rollout_dataset) if sized else 0, fleet=fleet)
         adapter = self._policy_sync.adapter
         settings = RolloutSettings.from_config(
             args, self.model_id, server, chat_template=self.rollout_chat_template,
             candidates=candidate_path(server, args.top_k, args.top_p, args.min_p),
-            lora_name=adapter.lora_name if adapter is not None else None)
+            lora_name=adapter.lora_name if adapter is not None else None, servers=servers)
         loop_kwargs: dict[str, Any] = dict(
             processing_class=self.processing_class, dataset=self.rollout_dataset, reward_funcs=self.reward_funcs,
             tools=self.tools, environment_factory=self.environment_factory, dataset_start_index=start,
@@ -566,8 +572,8 @@ class AsyncGRPOTrainer(Trainer):
                 episodes = request_evaluation(self.worker, plan)
             else:
                 args = self.args
-                server = read_server_info(VLLMAdminClient(args.vllm_server_base_url, args.vllm_server_timeout))
-                settings = RolloutSettings.from_config(args, self.model_id, server,
+                servers = read_servers(args.vllm_server_base_urls, args.vllm_server_timeout)
+                settings = RolloutSettings.from_config(args, self.model_id, servers[0], servers=servers,
                                                        chat_template=self.rollout_chat_template)
                 episodes = evaluate_outside_training(settings, plan, self.loop_cls, dict(
                     processing_class=self.processing_class, reward_funcs=self.reward_funcs, tools=self.tools,

@@ -195,8 +195,8 @@ class AsyncGRPOConfig(TrainingArguments):
         default="http://localhost:8000",
         metadata={"help": "Base URL of the vLLM server used for generation. Several servers: URLs joined by commas "
                   "(a list works too in Python and YAML); they must serve the same model and max_model_len "
-                  "(checked at start). Routing over several servers is not built yet: more than one URL is "
-                  "refused (issue 37)."},
+                  "(checked at start). Each rollout goes to the least-loaded server, every weight sync reaches "
+                  "every server, and a server that stops answering is taken out (docs/distributed.md)."},
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -435,11 +435,7 @@ class AsyncGRPOConfig(TrainingArguments):
         return server_urls(self.vllm_server_base_url)
 
     def _validate(self) -> None:
-        if len(self.vllm_server_base_urls) > 1:
-            raise ConfigError(
-                f"vllm_server_base_url names {len(self.vllm_server_base_urls)} servers "
-                f"({self.vllm_server_base_url}): routing rollouts over several vLLM servers is not built yet "
-                "(issue 37); give one URL, or run vLLM's data-parallel engines behind one (--data-parallel-size)")
+        server_urls(self.vllm_server_base_url)  # no empty entry, no server named twice
         if self.remove_unused_columns:
             raise ConfigError("remove_unused_columns must stay False: every column reaches the reward functions")
         if not self.ignore_data_skip:

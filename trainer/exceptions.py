@@ -4,8 +4,10 @@
     ToolgymError                       (sdk.exceptions: the root of every toolgym error)
     └── TrainerError
         ├── VLLMServerError            the sampler server failed to start, died, or answered an error
-        │   └── WeightSyncError        a weight update was refused or failed (fatal: the server's
-        │                              weights are in an unknown state)
+        │   ├── WeightSyncError        a weight update was refused or failed (fatal: the server's
+        │   │                          weights are in an unknown state)
+        │   └── ServerLostError        one of several servers was taken out mid-request (its rollout
+        │                              starts over on another; never reaches the user)
         ├── EnvServerLaunchError       an env server started for the run (launch_envserver) did not
         │                              become ready
         ├── RolloutWorkerError         the rollout worker crashed, hung or stopped (carries its traceback)
@@ -53,6 +55,11 @@ class VLLMServerError(TrainerError):
 
 class WeightSyncError(VLLMServerError):
     """A weight update failed; the server must be considered broken until restarted."""
+
+
+class ServerLostError(VLLMServerError):
+    """One of several vLLM servers was taken out while a request waited on it: the rollout starts over on
+    another server (:mod:`trainer.rollout.servers`); losing the last server is a plain :class:`VLLMServerError`."""
 
 
 class EnvServerLaunchError(TrainerError):

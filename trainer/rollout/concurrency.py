@@ -116,6 +116,12 @@ class AdaptiveCap:
         self._in_flight_area += self.in_flight * (now - self._mark)
         self._mark = now
 
+    async def set_cap(self, cap: float) -> None:
+        """Set the cap from outside (the gate over several servers: the sum of their caps)."""
+        async with self._changed:
+            self.cap = float(min(max(cap, 1.0), self.ceiling))
+            self._changed.notify_all()
+
     async def observe(self, load: ServerLoad | None) -> None:
         """Adjust the cap to one ``/metrics`` reading."""
         if not self.adaptive or load is None:

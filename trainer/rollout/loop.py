@@ -41,11 +41,12 @@ from trainer.rollout.env_pool import EnvironmentFactory, EnvironmentPool
 from trainer.rollout.prompt_render import ConversationRenderer, splits_at_added_tokens
 from trainer.rollout.scheduler import GroupScheduler, RolloutResult, group_version
 from trainer.rollout.scoring import RewardFunc, RewardRunner, group_advantages
+from trainer.rollout.servers import ServerFleet
 from trainer.rollout.settings import RolloutSettings
 from trainer.rollout.telemetry import LoopTelemetry
 from trainer.rollout.tool_runner import ToolRunner, tools_from_functions
 from trainer.rollout.worker import WorkerChannels, heartbeat, require_channels, wait_for_stop
-from trainer.vllm.client import SamplerClient, SamplingParams
+from trainer.vllm.client import SamplingParams
 from trainer.vllm.server_info import check_turn_length, truncates, turn_fits
 
 __all__ = ["AsyncRolloutLoop"]
@@ -98,9 +99,8 @@ class AsyncRolloutLoop:
         self.telemetry = LoopTelemetry(self.records, channels)
         self.executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_rollouts, thread_name_prefix="tool")
         self.rewards = RewardRunner(self.reward_funcs, self.executor, settings.reward_timeout)
-        self.sampler = SamplerClient(settings.vllm_server_base_url, max_connections=settings.max_concurrent_rollouts,
-                                     timeout_s=settings.vllm_server_timeout, seed=settings.seed,
-                                     model=settings.server.model)
+        # One server or several, each rollout routed to one (trainer.rollout.servers).
+        self.sampler = ServerFleet(settings, self.records, channels.fleet if channels is not None else None)
         self.params = SamplingParams(
             max_tokens=settings.max_completion_length, temperature=settings.temperature, top_p=settings.top_p,
             top_k=settings.top_k, min_p=settings.min_p, logprobs=settings.num_sampler_logprobs,
@@ -195,8 +195,8 @@ class AsyncRolloutLoop:
 
     def rollout_model(self) -> str | None:
         """The ``model`` a request of the current rollout asks for: ``None`` (the base model) without
-        adapter-only LoRA sync, else the adapter of the version the rollout's group started under, or
-        the newest when that one is too stale to stay loaded (the trainer drops such a group)."""
+        adapter-only LoRA sync, else the adapter of the version the rollout started under (its server's),
+        or the newest when that one is too stale to stay loaded (the trainer drops such a group)."""
         lora_name = self.settings.lora_name
         if lora_name is None:
             return None
@@ -327,7 +327,8 @@ class AsyncRolloutLoop:
             await self.sampler.wait_ready(self.settings.vllm_server_timeout)
             scheduler = self.scheduler
             await scheduler.run(channels, wait_for_stop(channels), heartbeat(channels),
-                                self.telemetry.flush_forever(self.sampler, scheduler.cap, scheduler.score_queue))
+                                self.telemetry.flush_forever(self.sampler, scheduler.cap, scheduler.score_queue),
+                                *self.sampler.background())
         finally:
             await self.envs.aclose()
             await self.sampler.close()

@@ -4,7 +4,10 @@
 of ``num_generations`` rollouts for each prompt the loop's ``filter_prompt`` keeps, when the
 staleness allowance has room for its tokens and the concurrency cap a free slot
 (:mod:`trainer.rollout.concurrency`). Each rollout takes a slot and an environment and runs the
-loop's ``run_rollout``; an environment lost mid-episode starts it over on another one. A finished
+loop's ``run_rollout``; an environment lost mid-episode starts it over on another one. Each rollout
+attempt runs on one vLLM server (:meth:`ServerFleet.run_routed
+<trainer.rollout.servers.ServerFleet.run_routed>`: the least loaded; started over on another when
+that server is lost) and records that server's policy version. A finished
 group is reconciled into training sequences, waits on the score queue, is scored (reward sources,
 the loop's ``compute_advantages``, the drop rule) and goes to the trainer. A group's failure (the
 server is gone, a hook raised) stops the run.
@@ -52,7 +55,8 @@ FAILING_ROLLOUTS_LIMIT = 32  # consecutive failed rollouts (none succeeding) bef
 ENV_RETRIES = 2  # restarts of a rollout on another environment after its env server or session was lost
 # The env server or the session went away mid-episode: the rollout starts over on another instance.
 _ENVIRONMENT_LOST = (ServerUnavailableError, SessionLostError, ServerDrainingError)
-# The policy version a group started under, seen by its rollouts' requests (asyncio tasks copy it).
+# The policy version the current rollout runs under (its server's when it started), seen by its
+# requests (asyncio tasks copy it).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("toolgym_group_version", default=None)
 
 RolloutResult = tuple[list[dict[str, Any]], Rollout, tuple[type, float] | None]
@@ -61,7 +65,8 @@ RolloutResult = tuple[list[dict[str, Any]], Rollout, tuple[type, float] | None]
 
 
 def group_version() -> int | None:
-    """The policy version the current rollout's group started under (``None`` outside a group)."""
+    """The policy version the current rollout started under: its server's version then (``None`` outside
+    a rollout). The rollout's samples carry it; its group carries the oldest of its rollouts'."""
     return _GROUP_VERSION.get()
 
 
@@ -74,12 +79,12 @@ class GroupScheduler:
     """
 
     def __init__(self, loop: AsyncRolloutLoop, score_queue_maxsize: int) -> None:
-        settings = loop.settings
         self.loop = loop
-        self.cap = AdaptiveCap(settings.max_concurrent_rollouts, settings.server.kv_cache_tokens,
-                               settings.server.max_model_len)
+        # The gate on rollouts in flight: the one server's adaptive cap, or the sum over several servers.
+        self.cap: AdaptiveCap = loop.sampler.gate
         self.allowance = TokenAllowance()
-        self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int]] = asyncio.Queue(score_queue_maxsize)
+        self.score_queue: asyncio.Queue[tuple[RolloutGroup, list[Rollout], int, list[int]]] = asyncio.Queue(
+            score_queue_maxsize)
         self.groups: set[asyncio.Task[None]] = set()  # groups in flight
         self._groups_started = 0  # group_id: groups counted from 0
         self._failed_in_a_row = 0
@@ -88,6 +93,7 @@ class GroupScheduler:
         self.held: dict[str, tuple[str | None, Any]] = {}
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
+        self._versions: dict[str, int] = {}  # rollout_id -> the policy version of the server it ran on
 
     # ------------------------------------------------------------------------------ the run
     async def run(self, channels: WorkerChannels, stop: Coroutine[Any, Any, None],
@@ -126,11 +132,9 @@ class GroupScheduler:
             self._failed.set()
 
     async def poll_load(self) -> None:
-        """Every ``LOAD_POLL_S``: read the server's load, adjust the cap to it, record both."""
+        """Every ``LOAD_POLL_S``: read each server's load, adjust its cap to it, record both."""
         while True:
-            load = await self.loop.sampler.load()
-            await self.cap.observe(load)
-            self.loop.telemetry.record_load(load, self.cap)
+            await self.loop.sampler.observe_load(self.loop.telemetry)
             await asyncio.sleep(LOAD_POLL_S)
 
     # --------------------------------------------------------------------------- producing
@@ -198,6 +202,7 @@ class GroupScheduler:
             loop.telemetry.put_group(QueuedGroup(position, row_index, policy_version=version, dropped="failed"))
             return
         rollouts = [r for _, r, _ in ok]
+        versions = [self._versions.pop(r.rollout_id, version) for r in rollouts]
         columns = {k: v for k, v in row.items() if k != "prompt"}  # reward functions get "environment" too
         sequences = []
         for rollout in rollouts:
@@ -209,12 +214,13 @@ class GroupScheduler:
             prompts=[p for p, _, _ in ok], reward_kwargs={k: [v] * len(rollouts) for k, v in columns.items()},
             completions=[r.completion for r in rollouts], completions_ids=[r.completion_ids for r in rollouts],
             completions_sequences=sequences, tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts], policy_version=version, group_id=group_id,
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], policy_version=min(versions),
+            group_id=group_id,
             row_index=row_index, env_rewards=[e for _, _, e in ok], rollout_rewards=[r.reward for r in rollouts],
             queued_at=time.monotonic(), truncated=[r.truncated(loop.eos_token_ids) for r in rollouts],
         )
         t0 = time.monotonic()
-        await self.score_queue.put((group, rollouts, position))
+        await self.score_queue.put((group, rollouts, position, versions))
         loop.records.add("rollout/score_block_s", time.monotonic() - t0)
 
     # ---------------------------------------------------------------------------- rollouts
@@ -225,7 +231,8 @@ class GroupScheduler:
         An env server or session lost mid-episode (the server died, was restarted, drains) starts
         the rollout over on another environment instance, whose ``reset`` opens a new session on a
         live replica (``rollout/env_retry_count``), at most ``ENV_RETRIES`` times; when no replica
-        is reachable that ``reset`` raises ``ServerUnavailableError`` and the run stops.
+        is reachable that ``reset`` raises ``ServerUnavailableError`` and the run stops. A vLLM server
+        lost mid-rollout starts it over the same way, on another server (:mod:`trainer.rollout.servers`).
         """
         records = self.loop.records
         await self.cap.acquire(reserved)
@@ -234,7 +241,8 @@ class GroupScheduler:
         try:
             while True:
                 try:
-                    result = await self._rollout_on_an_environment(row, group_id)
+                    result = await self.loop.sampler.run_routed(
+                        lambda server: self._attempt_on(server, row, group_id))
                 except RolloutFailed as exc:
                     if not isinstance(exc.__cause__, _ENVIRONMENT_LOST) or retries == ENV_RETRIES:
                         self._rollout_failed(str(exc))
@@ -248,6 +256,14 @@ class GroupScheduler:
         finally:
             records.add("rollout/duration_s", time.monotonic() - t0)
             await self.cap.release()
+
+    async def _attempt_on(self, server: int, row: dict[str, Any], group_id: int) -> RolloutResult:
+        """One attempt bound to ``server`` (in its own task), under that server's policy version."""
+        version = self.loop.sampler.version(server, self.loop.policy_version)
+        _GROUP_VERSION.set(version)
+        result = await self._rollout_on_an_environment(row, group_id)
+        self._versions[result[1].rollout_id] = version
+        return result
 
     async def _rollout_on_an_environment(self, row: dict[str, Any], group_id: int) -> RolloutResult:
         """One attempt: an environment from the pool (returned after success, dropped after failure)."""
@@ -304,11 +320,11 @@ class GroupScheduler:
         loop = self.loop
         records = loop.records
         while True:
-            group, rollouts, position = await self.score_queue.get()
+            group, rollouts, position, versions = await self.score_queue.get()
             records.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
             t0 = time.monotonic()
             queued = self.score(group, await self.score_with_environments(group, rollouts), position,
-                                [r.rollout_id for r in rollouts])
+                                [r.rollout_id for r in rollouts], versions)
             for name, count in loop.rewards.take_timeouts().items():
                 records.add(f"rewards/{name}/timeout_count", count)
             records.add("rollout/score_s", time.monotonic() - t0)
@@ -317,9 +333,10 @@ class GroupScheduler:
             loop.telemetry.put_group(queued)
 
     def score(self, group: RolloutGroup, func_rewards: list[list[float | None]], position: int,
-              rollout_ids: list[str] | None = None) -> QueuedGroup:
+              rollout_ids: list[str] | None = None, versions: list[int] | None = None) -> QueuedGroup:
         """Sum the group's reward sources, run the loop's ``compute_advantages``, and make its samples
-        (none when the group is dropped: :mod:`trainer.rollout.scoring`)."""
+        (none when the group is dropped: :mod:`trainer.rollout.scoring`); each sample carries its
+        rollout's policy version (``versions``; the group's when ``None``)."""
         loop = self.loop
         mask_truncated = loop.settings.mask_truncated_completions
         n = len(group.completions)
@@ -369,7 +386,7 @@ class GroupScheduler:
             for seq, token_advantages in zip(kept, per_token[i], strict=False):  # the tail drops only later ones
                 queued.samples.append(TrainingSample(
                     sequence=seq, advantage=float(advantages[i]), group_id=group.group_id,
-                    policy_version=group.policy_version, row_index=group.row_index,
+                    policy_version=versions[i] if versions else group.policy_version, row_index=group.row_index,
                     reward=float(group.rewards[i]), queued_at=now,
                     rollout_id=rollout_ids[i] if rollout_ids else "", reward_group_std=std,
                     reward_func_group_stds=func_stds, token_advantages=token_advantages))

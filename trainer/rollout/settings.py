@@ -14,13 +14,14 @@ A ``loop_cls`` subclass that needs settings of its own gets them as constructor 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from trainer.config import AsyncGRPOConfig
+from trainer.config import AsyncGRPOConfig, server_urls
 from trainer.vllm.admin import VLLMAdminClient
-from trainer.vllm.server_info import CandidatePath, ServerInfo, read_server_info
+from trainer.vllm.server_info import CandidatePath, ServerInfo
+from trainer.vllm.servers import read_servers_info
 
 __all__ = ["RolloutSettings", "declared_default"]
 
@@ -46,8 +47,10 @@ class RolloutSettings:
 
     Attributes:
         model_name: The model the trainer trains (its id or directory); harness agents name it.
-        vllm_server_base_url: The vLLM server rollouts sample from.
-        server: What the trainer read from that server at start (name, ``max_model_len``, KV-cache size).
+        vllm_server_base_url: The vLLM server rollouts sample from, or several joined by commas
+            (each rollout goes to one of them, :mod:`trainer.rollout.servers`).
+        server: What the trainer read from the (first) server at start (name, ``max_model_len``, KV-cache size).
+        servers: What it read from each server, in order (``()``: ``server`` for every one).
         chat_template: The template rollouts render with instead of the tokenizer's own (the training
             template chosen at start, :mod:`trainer.rollout.training_templates`); ``None``: the tokenizer's.
         candidates: How each sampled token's top-k/top-p candidate set is read from the server
@@ -80,6 +83,7 @@ class RolloutSettings:
     model_name: str
     vllm_server_base_url: str
     server: ServerInfo
+    servers: tuple[ServerInfo, ...] = ()
     chat_template: str | None = None
     candidates: CandidatePath | None = None
     lora_name: str | None = None
@@ -105,34 +109,39 @@ class RolloutSettings:
     @classmethod
     def from_config(cls, config: AsyncGRPOConfig, model_name: str, server: ServerInfo, *,
                     chat_template: str | None = None, candidates: CandidatePath | None = None,
-                    lora_name: str | None = None) -> RolloutSettings:
+                    lora_name: str | None = None, servers: Sequence[ServerInfo] = ()) -> RolloutSettings:
         """The worker's settings of a training run: every field named as a config field is copied from it.
 
         Args:
             config: The trainer's config.
             model_name: The trained model's id or directory.
-            server: The server's facts, read once at start.
+            server: The (first) server's facts, read once at start.
             chat_template: The training template chosen at start, if any.
             candidates: The candidate-set path chosen at start.
             lora_name: The adapters' name prefix under adapter-only LoRA sync.
+            servers: Every server's facts (kept with several servers).
         """
         # A JSON string from the command line is a dict by now (AsyncGRPOConfig.__post_init__).
         template_kwargs = dict(cast("dict[str, Any] | None", config.chat_template_kwargs) or {})
         copied = {name: getattr(config, name) for name in _CONFIG_FIELDS if name != "chat_template_kwargs"}
-        return cls(model_name=model_name, server=server, chat_template=chat_template, candidates=candidates,
-                   lora_name=lora_name, chat_template_kwargs=template_kwargs, **copied)
+        return cls(model_name=model_name, server=server, servers=tuple(servers) if len(servers) > 1 else (),
+                   chat_template=chat_template,
+                   candidates=candidates, lora_name=lora_name, chat_template_kwargs=template_kwargs, **copied)
 
     @classmethod
     def from_server(cls, base_url: str, model_name: str, **fields: Any) -> RolloutSettings:
-        """Settings for rollouts outside training: the server at ``base_url`` is read once
-        (:func:`~trainer.vllm.server_info.read_server_info`), ``fields`` set any other field.
+        """Settings for rollouts outside training: the server at ``base_url`` (or each of several joined by
+        commas) is read once (:func:`~trainer.vllm.servers.read_servers_info`), ``fields`` set any other field.
 
         Raises:
-            VLLMServerError: The server did not answer within ``vllm_server_timeout``.
+            VLLMServerError: A server did not answer within ``vllm_server_timeout``.
+            ConfigError: Several servers disagree on the model or ``max_model_len``.
         """
         timeout_s = float(fields.get("vllm_server_timeout", declared_default(AsyncGRPOConfig, "vllm_server_timeout")))
-        server = read_server_info(VLLMAdminClient(base_url, timeout_s=timeout_s))
-        return cls(model_name=model_name, vllm_server_base_url=base_url, server=server, **fields)
+        urls = server_urls(base_url)
+        infos = read_servers_info([VLLMAdminClient(url, timeout_s=timeout_s) for url in urls])
+        return cls(model_name=model_name, vllm_server_base_url=",".join(urls), server=infos[0],
+                   servers=tuple(infos) if len(infos) > 1 else (), **fields)
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutSettings)) & frozenset(

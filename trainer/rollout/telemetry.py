@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.metrics import RecordBuffer
 from trainer.records import QueuedGroup
 from trainer.rollout.concurrency import AdaptiveCap
 from trainer.rollout.tool_runner import ToolCallOutcome
 from trainer.rollout.worker import WorkerChannels, require_channels
-from trainer.vllm.client import SamplerClient
 from trainer.vllm.prometheus import ServerLoad
+
+if TYPE_CHECKING:
+    from trainer.rollout.servers import ServerFleet
 
 __all__ = ["LoopTelemetry", "METRICS_FLUSH_S"]
 
@@ -78,7 +80,7 @@ class LoopTelemetry:
             self.records.add("rollout/vllm_preemption_count", max(load.preemptions - self._last_preemptions, 0))
         self._last_preemptions = load.preemptions
 
-    async def flush_forever(self, sampler: SamplerClient, cap: AdaptiveCap, score_queue: asyncio.Queue[Any]) -> None:
+    async def flush_forever(self, sampler: ServerFleet, cap: AdaptiveCap, score_queue: asyncio.Queue[Any]) -> None:
         """Every ``METRICS_FLUSH_S``: sample the gauges and send everything recorded."""
         retries_sent = 0
         tokens_sent, t_last = 0, time.monotonic()

@@ -29,6 +29,7 @@ from trainer.exceptions import PipelineStalledError, RolloutWorkerError
 from trainer.metrics import Record
 from trainer.records import QueuedGroup
 from trainer.rollout.eval_in_training import EvalReply, EvalRequest, evaluation_loop, run_with_evaluations
+from trainer.vllm.fleet import FleetState
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -65,6 +66,8 @@ class WorkerChannels:
         epoch_size: Prompts per epoch; 0 until known (a stream's size is known after its first pass).
         eval_requests: Evaluations to run, trainer -> worker (:mod:`trainer.rollout.eval_in_training`).
         eval_results: Their episodes, worker -> trainer.
+        fleet: Which vLLM servers hold which policy version (:mod:`trainer.vllm.fleet`): the trainer
+            writes each server's version as it syncs it, the worker which servers it took out.
     """
 
     rollout_buffer: Queue[QueuedGroup]
@@ -80,12 +83,14 @@ class WorkerChannels:
     epoch_size: ctypes.c_int64
     eval_requests: Queue[EvalRequest]
     eval_results: Queue[EvalReply]
+    fleet: FleetState
 
     @classmethod
     def create(cls, ctx: BaseContext, initial_allowance: int, initial_version: int,
-               epoch_size: int = 0) -> WorkerChannels:
+               epoch_size: int = 0, fleet: FleetState | None = None) -> WorkerChannels:
         """Make the queues, values and events in multiprocessing context ``ctx`` (``epoch_size``: the
-        dataset's size when known, 0 for a stream or no dataset)."""
+        dataset's size when known, 0 for a stream or no dataset; ``fleet``: the servers' shared state,
+        made in ``ctx`` too, one server at ``initial_version`` when ``None``)."""
         return cls(
             rollout_buffer=ctx.Queue(),
             metrics_queue=ctx.Queue(),
@@ -100,6 +105,7 @@ class WorkerChannels:
             epoch_size=ctx.RawValue(ctypes.c_int64, epoch_size),
             eval_requests=ctx.Queue(),
             eval_results=ctx.Queue(),
+            fleet=fleet if fleet is not None else FleetState.create(ctx, 1, initial_version),
         )
 
     def queues(self) -> tuple[Queue[Any], ...]:

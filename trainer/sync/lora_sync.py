@@ -112,66 +112,107 @@ def check_lora_limits(server: LoRALimits, max_staleness: int, rank: int) -> None
 
 
 class LoRAAdapterSync:
-    """Saves, registers and retires adapter versions on the server.
+    """Saves, registers and retires adapter versions on the server, or on each of several.
+
+    A version is written once and registered on every server that takes the sync
+    (:meth:`write`, then :meth:`register` per server; :meth:`load` does both on every server). A
+    server that comes back after it was lost has none of them: :meth:`forget` it, then register the
+    current version.
 
     Args:
-        client: The server's admin client (its timeout bounds every call).
+        client: The server's admin client (its timeout bounds every call), or one per server.
         cache_dir: Where versions are written (``<output_dir>/.vllm_lora``); must be readable by the server.
         lora_name: Prefix of the served names (:func:`adapter_name`); unique per run, so that a
             server shared between runs never sees the same name twice.
         keep: Versions kept registered (``max_staleness + 1``).
     """
 
-    def __init__(self, client: VLLMAdminClient, cache_dir: str | Path, lora_name: str, keep: int) -> None:
-        self.client = client
+    def __init__(self, client: VLLMAdminClient | list[VLLMAdminClient], cache_dir: str | Path, lora_name: str,
+                 keep: int) -> None:
+        self.clients = list(client) if isinstance(client, list) else [client]
+        self.client = self.clients[0]
         self.cache_dir = Path(cache_dir)
         self.lora_name = lora_name
         self.keep = keep
-        self.loaded: deque[int] = deque()
+        self.loaded: deque[int] = deque()  # versions written and not yet retired, oldest first
+        self.registered: list[set[int]] = [set() for _ in self.clients]  # per server
+        self._paths: dict[int, Path] = {}  # version -> the folder the servers read it from
 
     def folder(self, version: int) -> Path:
         """Where ``version`` is written."""
         return self.cache_dir / adapter_name(self.lora_name, version)
 
     def load(self, model: PeftModel, version: int, state_dict: dict[str, Any] | None = None) -> SyncTimings:
-        """Write the PEFT model's adapter as ``version`` and register it; raises :class:`WeightSyncError`
-        with the server's message when the server refuses it (the version's folder is removed).
+        """Write the PEFT model's adapter as ``version`` and register it on every server; raises
+        :class:`WeightSyncError` with the server's message when a server refuses it (the version's
+        folder is then removed).
 
         ``state_dict``: the adapter's tensors gathered from FSDP2 shards
         (:func:`trainer.sync.gather.adapter_state_dict`); ``None`` reads them from the model."""
         t0 = time.perf_counter()
+        self.write(model, version, state_dict)
+        try:
+            for i in range(len(self.clients)):
+                self.register(i, version)
+        except WeightSyncError:
+            self.loaded.remove(version)
+            shutil.rmtree(self.folder(version), ignore_errors=True)
+            raise
+        return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
+
+    def write(self, model: PeftModel, version: int, state_dict: dict[str, Any] | None = None) -> None:
+        """Save the PEFT model's active adapter as ``version`` (registered nowhere yet)."""
         folder = self.folder(version)
         if folder.exists():  # a previous attempt at this version
             shutil.rmtree(folder)
         active = _active_adapters(model)[0]
         model.save_pretrained(str(folder), selected_adapters=[active], state_dict=state_dict)
-        path = folder if active == "default" else folder / active  # PEFT's layout for other names
+        self._paths[version] = folder if active == "default" else folder / active  # PEFT's layout for other names
+        if version not in self.loaded:
+            self.loaded.append(version)
+
+    def register(self, i: int, version: int) -> None:
+        """Register the written ``version`` on server ``i``; :class:`WeightSyncError` when it refuses."""
+        path = self._paths[version]
         body = {"lora_name": adapter_name(self.lora_name, version), "lora_path": str(path.resolve())}
-        try:
-            self.client.request("POST", "/v1/load_lora_adapter", body, error=WeightSyncError)
-        except WeightSyncError:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        self.loaded.append(version)
-        return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
+        self.clients[i].request("POST", "/v1/load_lora_adapter", body, error=WeightSyncError)
+        self.registered[i].add(version)
+
+    def forget(self, i: int) -> None:
+        """Server ``i`` holds no adapter any more (it was restarted)."""
+        self.registered[i].clear()
 
     def retire(self) -> float:
-        """Unload every version beyond the newest ``keep`` and delete its folder; returns the seconds spent."""
+        """Unload every version beyond the newest ``keep`` and delete its folder; returns the seconds spent.
+        With several servers, a server that cannot be reached is skipped (it was lost)."""
         t0 = time.perf_counter()
         while len(self.loaded) > self.keep:
-            self._unload(self.loaded.popleft())
+            version = self.loaded.popleft()
+            for i in range(len(self.clients)):
+                if version in self.registered[i]:
+                    try:
+                        self._unload(i, version)
+                    except VLLMServerError as exc:
+                        if len(self.clients) == 1:
+                            raise
+                        logger.warning("LoRA: could not unload %s from %s: %s", adapter_name(self.lora_name, version),
+                                       self.clients[i].base_url, exc)
+            shutil.rmtree(self.folder(version), ignore_errors=True)
+            self._paths.pop(version, None)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         """Unload every registered version and delete the cache folder (best effort: the run is over)."""
-        while self.loaded:
-            try:
-                self._unload(self.loaded.popleft())
-            except VLLMServerError as exc:
-                logger.warning("LoRA: could not unload an adapter at shutdown: %s", exc)
+        for i in range(len(self.clients)):
+            for version in sorted(self.registered[i]):
+                try:
+                    self._unload(i, version)
+                except VLLMServerError as exc:
+                    logger.warning("LoRA: could not unload an adapter at shutdown: %s", exc)
+        self.loaded.clear()
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
-    def _unload(self, version: int) -> None:
+    def _unload(self, i: int, version: int) -> None:
         body = {"lora_name": adapter_name(self.lora_name, version)}
-        self.client.request("POST", "/v1/unload_lora_adapter", body, error=WeightSyncError)
-        shutil.rmtree(self.folder(version), ignore_errors=True)
+        self.registered[i].discard(version)
+        self.clients[i].request("POST", "/v1/unload_lora_adapter", body, error=WeightSyncError)

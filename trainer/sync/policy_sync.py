@@ -7,6 +7,8 @@ weights (LoRA merged into them, :mod:`trainer.sync.weight_sync`) through the wei
 the server runs (:mod:`trainer.sync.backends`). A sync that needs no pause
 of the server runs on a thread while the next step goes on (:mod:`trainer.sync.background`). Under
 FSDP2 every rank joins the gathers of each sync (:mod:`trainer.sync.gather`) and rank 0 sends.
+With several servers every sync goes to each of them, a lost one is left behind and a returning one
+synced in full before it gets rollouts (:mod:`trainer.sync.fleet_sync`).
 
 Each sync adds ``perf/weight_sync_*`` metrics to the trainer's window; the new version reaches the
 trainer, the stream and new rollouts through the ``publish`` callback.
@@ -19,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 from accelerate import Accelerator
 from torch import nn
@@ -28,6 +30,7 @@ from trainer.config import AsyncGRPOConfig
 from trainer.metrics import MetricWindow
 from trainer.sync.backends import make_sender
 from trainer.sync.background import BackgroundSync
+from trainer.sync.fleet_sync import FleetSynchronizer, SyncTargets, Target
 from trainer.sync.gather import PolicyWeights, adapter_state_dict, is_sharded
 from trainer.sync.lora_sync import (
     LORA_CACHE_DIR,
@@ -39,7 +42,11 @@ from trainer.sync.lora_sync import (
 )
 from trainer.sync.weight_sync import SyncTimings, WeightSynchronizer, checkpoint_manifest
 from trainer.vllm.admin import VLLMAdminClient
+from trainer.vllm.fleet import FleetState
 from trainer.vllm.server_info import ServerInfo
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["PolicySync"]
 
@@ -70,7 +77,8 @@ class PolicySync:
         self._frozen = frozen
         self._metrics = metrics
         self._publish = publish
-        self._syncer: WeightSynchronizer | None = None  # full weights (rank 0)
+        self._syncer: FleetSynchronizer | None = None  # full weights (rank 0), to every server
+        self._targets: SyncTargets | None = None  # the servers each sync goes to (rank 0)
         self._background: BackgroundSync | None = None  # syncs overlapping the next step
         self.adapter: LoRAAdapterSync | None = None  # adapter-only sync (--enable-lora): rank 0, all under FSDP2
         self._wait_s = 0.0  # time blocked on syncs since the last take_wait_s
@@ -79,9 +87,18 @@ class PolicySync:
     def _rank_zero(self) -> bool:
         return bool(self._args.process_index == 0)
 
-    def connect(self, admin: VLLMAdminClient, server: ServerInfo, sharded: bool) -> None:
-        """Pick the way of every sync of the run from ``server`` (read once at start), on rank 0; under
-        FSDP2 (``sharded``) the other ranks learn it too (they gather an adapter or the weights with rank 0).
+    def connect(self, admins: list[VLLMAdminClient], server: ServerInfo, sharded: bool,
+                fleet: FleetState | None = None) -> None:
+        """Pick the way of every sync of the run from ``server`` (the first server, read once at start;
+        the servers agree), on rank 0; under FSDP2 (``sharded``) the other ranks learn it too (they
+        gather an adapter or the weights with rank 0).
+
+        Args:
+            admins: Every server's admin client, in ``vllm_server_base_url`` order.
+            server: What the first server said at start.
+            sharded: FSDP2.
+            fleet: The servers' state shared with the rollout worker (each sync marks the version
+                each server holds); ``None``: every server always takes every sync.
 
         Raises:
             ConfigError: The server runs no weight-transfer backend the trainer can drive, or its LoRA
@@ -89,16 +106,20 @@ class PolicySync:
         """
         if not self._rank_zero:
             if sharded:
-                self.adapter = self._make_adapter_sync(admin, server)
+                self.adapter = self._make_adapter_sync(admins, server)
             return
-        self.adapter = self._make_adapter_sync(admin, server)
+        self._targets = SyncTargets(admins, fleet)
+        self.adapter = self._make_adapter_sync(admins, server)
         if self.adapter is None:
-            self._syncer = WeightSynchronizer(admin, make_sender(server.weight_transfer_backend, admin),
-                                              self.manifest(), pause_mode=self._args.weight_sync_pause)
+            def make(admin: VLLMAdminClient, index: int) -> WeightSynchronizer:
+                return WeightSynchronizer(admin, make_sender(server.weight_transfer_backend, admin, index),
+                                          self.manifest(), pause_mode=self._args.weight_sync_pause)
+
+            self._syncer = FleetSynchronizer(self._targets, make)
             if self._syncer.pause_mode == "none" and not sharded:  # FSDP: every rank gathers, in step
                 self._background = BackgroundSync()
 
-    def _make_adapter_sync(self, admin: VLLMAdminClient, server: ServerInfo) -> LoRAAdapterSync | None:
+    def _make_adapter_sync(self, admins: list[VLLMAdminClient], server: ServerInfo) -> LoRAAdapterSync | None:
         """Adapter-only sync when the model is a PEFT LoRA model and the server loads adapters at run
         time (limits checked here, with the flag to restart the server with); else ``None`` (merged)."""
         model = self._accelerator.unwrap_model(self._model())
@@ -116,7 +137,7 @@ class PolicySync:
         cache = Path(cast(str, self._args.output_dir)) / LORA_CACHE_DIR  # set by TrainingArguments.__post_init__
         logger.info("LoRA: adapter-only sync (versions under %s, %d kept registered)",
                     cache, self._args.max_staleness + 1)
-        return LoRAAdapterSync(admin, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self._args.max_staleness + 1)
+        return LoRAAdapterSync(admins, cache, f"toolgym-{uuid.uuid4().hex[:8]}", keep=self._args.max_staleness + 1)
 
     def manifest(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint's parameter names and shapes the server expects (empty for a model id that
@@ -153,7 +174,7 @@ class PolicySync:
         if self.adapter is not None:
             state_dict = adapter_state_dict(model) if sharded else None
             if self._rank_zero:
-                timings = self.adapter.load(model, version, state_dict=state_dict)
+                timings = self._sync_adapter(model, version, state_dict)
                 self._publish(version)  # new rollouts ask for the new adapter before the oldest goes
                 timings.transfer_s += self.adapter.retire()
             else:
@@ -169,6 +190,26 @@ class PolicySync:
             self._metrics.add("perf/weight_sync_transfer_s", timings.transfer_s)
         self._metrics.add("perf/weight_sync_s", time.perf_counter() - t0)
         self._wait_s += time.perf_counter() - t0
+
+    def _sync_adapter(self, model: nn.Module, version: int, state_dict: dict[str, Any] | None) -> SyncTimings:
+        """Write the adapter as ``version`` and register it on every target server (rank 0)."""
+        assert self.adapter is not None and self._targets is not None
+        t0 = time.perf_counter()
+        targets = self._targets.plan()
+        self.adapter.write(cast("PeftModel", model), version, state_dict)
+        failures: list[tuple[Target, Exception]] = []
+        for target in targets:
+            if target.returning:
+                self.adapter.forget(target.index)
+            try:
+                self.adapter.register(target.index, version)
+            except Exception as exc:  # noqa: BLE001 - SyncTargets.failed raises it unless the server is lost
+                failures.append((target, exc))
+            else:
+                self._targets.synced(target, version)
+        for target, error in failures:
+            self._targets.failed(target, error, others_ok=len(failures) < len(targets))
+        return SyncTimings(pause_s=0.0, transfer_s=time.perf_counter() - t0, resume_s=0.0)
 
     def wait(self, block: bool = True) -> None:
         """Wait for an overlapped sync: until it ends, or (``block=False``) only until it no longer

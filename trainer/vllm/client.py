@@ -27,12 +27,13 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from trainer.exceptions import VLLMServerError
+from trainer.exceptions import ServerLostError, VLLMServerError
 from trainer.records import TurnRecord
 from trainer.vllm.prometheus import ServerLoad, parse_prometheus, server_load
 from trainer.vllm.server_info import EXCLUDED_LOGPROB, GENERATE_ROUTE, CandidatePath, candidate_set
@@ -107,6 +108,12 @@ class SamplerClient:
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
         self._rng = random.Random(seed)
+        self.on_failure: Callable[[str], bool] | None = None
+        """Told each failed attempt (transport error or 5xx); returns whether the server is now out, which
+        ends the request at once with :class:`~trainer.exceptions.ServerLostError` (several servers:
+        :mod:`trainer.rollout.servers`)."""
+        self.on_answer: Callable[[], None] | None = None
+        """Told each answered request."""
 
     async def __aenter__(self) -> SamplerClient:
         return self
@@ -210,6 +217,8 @@ class SamplerClient:
                     text = await r.text()
                     if r.status == 200:
                         payload: dict[str, Any] = await r.json(content_type=None)
+                        if self.on_answer is not None:
+                            self.on_answer()
                         return payload
                     if r.status < 500:
                         # A 4xx is the request's fault (too long a prompt, bad params): no retry.
@@ -218,6 +227,8 @@ class SamplerClient:
             except (TimeoutError, aiohttp.ClientError) as e:
                 problem = repr(e)
                 reused_connection_closed = isinstance(e, aiohttp.ServerDisconnectedError)
+            if self.on_failure is not None and self.on_failure(problem):
+                raise ServerLostError(f"POST {path} to {self.base_url}: the server was taken out", problem)
             if attempt == self.max_retries:
                 raise VLLMServerError(
                     f"POST {path} to {self.base_url} failed after {self.max_retries} retries", problem

@@ -2,10 +2,16 @@
 
 A rollout is routed once, when it starts, and all its turns go to that server (its prefix cache
 holds the conversation so far). The router picks the server with the least load, where a server's
-load is what the worker knows now (its own rollouts in flight there) plus what the server last said
-in ``/metrics`` (requests waiting, KV-cache use), scaled by that server's concurrency cap::
+load is what the worker knows now (its own rollouts in flight there) plus the requests the server
+last said wait in its queue (``/metrics``), scaled by that server's concurrency cap::
 
-    load_i = (in_flight_i + waiting_i) / cap_i + kv_cache_usage_i
+    load_i = (in_flight_i + waiting_i) / cap_i
+
+A slower server finishes its rollouts later, so more of them stay in flight there and it gets fewer
+new ones. KV-cache use acts through the cap (it shrinks above 80 %: :mod:`trainer.rollout.concurrency`),
+not as a term of its own: a reading is up to 5 s old, and with a large KV cache its differences
+between equal servers (fractions of a percent) outweighed whole rollouts in flight: two equal CPU
+servers got 72 and 204 of 276 requests with it, against the 20 % of even this router must keep.
 
 A server is taken out once it has failed every request for ``down_after_s`` seconds (default 5 s:
 long enough for a request's connection retry, short enough that its in-flight rollouts move on
@@ -13,9 +19,9 @@ within seconds); one answer resets that clock.
 
 Ties go to the server with the fewest rollouts routed so far, so servers under equal load take
 turns. A server taken out (:meth:`ServerRouter.take_out`, after it stopped answering) gets no new
-rollouts; taking out the last one raises :class:`~trainer.exceptions.VLLMServerError`, as losing the
-one server does. Not yet used by the rollout worker (issue 37: the worker's wiring and syncing every
-server come next); the config refuses several URLs until then.
+rollouts until :meth:`ServerRouter.bring_back` (the trainer synced it again,
+:mod:`trainer.vllm.fleet`); taking out the last one raises :class:`~trainer.exceptions.VLLMServerError`,
+as losing the one server does. The rollout worker's side is :mod:`trainer.rollout.servers`.
 """
 
 from __future__ import annotations
@@ -61,8 +67,7 @@ class ServerRouter:
         """Server ``i``'s load (module docstring): 0 when idle, 1 or more when its cap is full."""
         last = self.loads[i]
         waiting = last.waiting if last else 0.0
-        kv = last.kv_cache_usage if last else 0.0
-        return (self.in_flight[i] + waiting) / max(self.caps[i], 1) + kv
+        return (self.in_flight[i] + waiting) / max(self.caps[i], 1)
 
     def pick(self) -> int:
         """The server for the next rollout: the least loaded that is up (ties: fewest routed, then first)."""
@@ -97,6 +102,13 @@ class ServerRouter:
             raise VLLMServerError(f"the last vLLM server, {self.urls[i]}, stopped answering: {reason}")
         logger.warning("vLLM server %d (%s) taken out: %s; %d of %d servers left", i, self.urls[i], reason,
                        sum(self.up), len(self.urls))
+
+    def bring_back(self, i: int) -> None:
+        """Route to server ``i`` again (it came back and holds the current policy)."""
+        self.up[i] = True
+        self._failing_since[i] = None
+        logger.warning("vLLM server %d (%s) is back; %d of %d servers up", i, self.urls[i], sum(self.up),
+                       len(self.urls))
 
     def answered(self, i: int) -> None:
         """Server ``i`` answered a request: its failures so far are forgiven."""

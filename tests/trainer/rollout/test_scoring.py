@@ -344,7 +344,7 @@ def test_a_scored_group_carries_its_reward_metrics(tmp_path) -> None:
     loop.scheduler.allowance.started()
 
     async def score_one() -> None:
-        await loop.scheduler.score_queue.put((group, [], 0))
+        await loop.scheduler.score_queue.put((group, [], 0, []))
         task = asyncio.create_task(loop.scheduler.score_forever())
         while not seen_at_put and not task.done():
             await asyncio.sleep(0.01)

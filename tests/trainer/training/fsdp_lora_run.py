@@ -16,7 +16,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from datasets import Dataset
@@ -32,15 +31,14 @@ LOADED: list[int] = []
 
 def _keep_adapters(out: Path) -> None:
     """Rank 0: copy every adapter version as written, before the sync retires its folder."""
-    original = LoRAAdapterSync.load
+    original = LoRAAdapterSync.register
 
-    def load(self: LoRAAdapterSync, model: Any, version: int, state_dict: Any = None) -> Any:
-        timings = original(self, model, version, state_dict=state_dict)
+    def register(self: LoRAAdapterSync, i: int, version: int) -> None:
+        original(self, i, version)
         shutil.copy(self.folder(version) / "adapter_model.safetensors", out / f"adapter_v{version}.safetensors")
         LOADED.append(version)
-        return timings
 
-    LoRAAdapterSync.load = load  # type: ignore[method-assign]
+    LoRAAdapterSync.register = register  # type: ignore[method-assign]
 
 
 def main(model_dir: str, server_url: str, out_dir: str) -> None:

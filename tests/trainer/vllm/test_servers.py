@@ -35,14 +35,17 @@ def test_an_empty_entry_or_a_server_named_twice_is_refused(value: str | list[str
         server_urls(value)
 
 
-def test_the_config_takes_a_list_and_refuses_several_servers_until_routing_exists(tmp_path) -> None:
+def test_the_config_takes_a_list_or_commas_and_checks_them(tmp_path) -> None:
     one = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
                           vllm_server_base_url=["http://a:8000"])  # type: ignore[arg-type]  # YAML's list
     assert one.vllm_server_base_url == "http://a:8000"
     assert one.vllm_server_base_urls == ("http://a:8000",)
-    with pytest.raises(ConfigError, match=r"names 2 servers .*not built yet"):
+    two = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                          vllm_server_base_url="http://a:8000, http://b:8000/")
+    assert two.vllm_server_base_urls == ("http://a:8000", "http://b:8000")
+    with pytest.raises(ConfigError, match="more than once"):
         AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
-                        vllm_server_base_url="http://a:8000,http://b:8000")
+                        vllm_server_base_url=["http://a:8000", "http://a:8000/"])  # type: ignore[arg-type]
 
 
 def test_servers_that_agree_are_each_read_once() -> None:

