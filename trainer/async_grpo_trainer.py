@@ -66,7 +66,7 @@ from trainer.training.model_loading import freeze_outside_language_model, load_m
 from trainer.training.moe import RouterLogits, resolve_aux_loss_coef
 from trainer.training.row_forward import forwarded_positions
 from trainer.training.stall import StallReport, StallWatch
-from trainer.training.step_guard import StepGuard
+from trainer.training.step_guard import SpikeClip, StepGuard
 from trainer.training.tree_attention import enable_tree_attention
 from trainer.vllm.admin import VLLMAdminClient
 from trainer.vllm.fleet import FleetState
@@ -154,7 +154,7 @@ class AsyncGRPOTrainer(Trainer):
         args = copy.copy(args)
         if not self._explicit_max_steps:
             args.max_steps = 10**9
-        self._init_pipeline_state()
+        self._init_pipeline_state(args)
         super().__init__(model=model, args=args, train_dataset=None, eval_dataset=self.eval_rows,
                          processing_class=processing_class, callbacks=display_callbacks(args, callbacks),
                          optimizers=optimizers)
@@ -243,7 +243,7 @@ class AsyncGRPOTrainer(Trainer):
             lambda: expected_lengths(self.stream.token_budget if self.stream else None, bucket),
             pad=self._row_buckets, device=args.device, tracker=self._compile_tracker)
 
-    def _init_pipeline_state(self) -> None:
+    def _init_pipeline_state(self, args: AsyncGRPOConfig) -> None:
         """The pipeline's parts (made when training starts) and the step's counters."""
         self.metrics = MetricWindow()
         self.worker: RolloutWorker | None = None
@@ -260,6 +260,7 @@ class AsyncGRPOTrainer(Trainer):
         self._step_tokens = (0, 0)  # (forwarded, trained) tokens of the current step
         self._loss_stats: list[dict[str, torch.Tensor]] = []
         self._step_guard = StepGuard()  # a step with non-finite gradients is skipped, never applied or synced
+        self._spike_clip = None if args.grad_spike_clip is None else SpikeClip(args.grad_spike_clip)
 
     def create_accelerator_and_postprocess(self) -> None:
         """The base accelerator, with accelerate's FSDP2 path also on for a multi-process CPU run."""

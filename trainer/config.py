@@ -257,6 +257,14 @@ class AsyncGRPOConfig(TrainingArguments):
                   "other rollout reached keeps the rollout's advantage. False: every token gets the rollout's "
                   "advantage (GRPO)."},
     )
+    grad_spike_clip: float | None = field(
+        default=3.0,
+        metadata={"help": "Clip a step's gradient norm at this multiple of the median norm of the previous 16 "
+                  "steps (from the 5th step on), after max_grad_norm's absolute clip: one outlier step is not "
+                  "written into AdamW's moments for the steps after it (trainer/training/step_guard.py, "
+                  "docs/loss.md). Metrics batch/grad_spike_clipped_count and batch/grad_norm_to_median. None: "
+                  "only max_grad_norm applies."},
+    )
     num_sampler_logprobs: int = field(
         default=8,
         metadata={"help": "Sampler top log-probs requested per generated token (score centering's H_t); "
@@ -467,6 +475,9 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ConfigError(f"tail_token_prob={self.tail_token_prob} must be in [0, 1) (or None to train every "
                               "sampled token); 1e-3 leaves out only what follows a token drawn at under a "
                               "thousandth of its position's most likely one")
+        if self.grad_spike_clip is not None and not self.grad_spike_clip > 1:
+            raise ConfigError(f"grad_spike_clip={self.grad_spike_clip} must be > 1 (a multiple of the recent median "
+                              "gradient norm) or None to turn the clip off")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0")
         if self.staleness_allowance == "source":

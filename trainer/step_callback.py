@@ -1,9 +1,9 @@
 """The trainer's own callback: what happens around each optimizer step of an :class:`AsyncGRPOTrainer`.
 
 ``transformers.Trainer`` owns the step loop; this callback hooks into it for what the asynchronous
-pipeline adds: step timing, the non-finite step guard, the weight sync every ``weight_sync_steps``
-applied steps, the staleness allowance and metrics at the step's end, and the stop once the epochs
-counted in trained prompts are done.
+pipeline adds: step timing, the non-finite step guard and the gradient spike clip, the weight sync
+every ``weight_sync_steps`` applied steps, the staleness allowance and metrics at the step's end, and
+the stop once the epochs counted in trained prompts are done.
 """
 
 from __future__ import annotations
@@ -46,10 +46,16 @@ class PipelineCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.trainer._policy_sync.wait(block=False)  # the optimizer is about to change the weights it reads
-        if self.trainer._step_guard.check(self.trainer.model, state.global_step + 1):
-            self.trainer.metrics.add("batch/skipped_nonfinite_step_count", 1)
+        t = self.trainer
+        if t._step_guard.check(t.model, state.global_step + 1):
+            t.metrics.add("batch/skipped_nonfinite_step_count", 1)
         else:
             self._applied_since_sync += 1
+            if t._spike_clip is not None:
+                norm, bound = t._spike_clip.clip(t.model)
+                t.metrics.add("batch/grad_spike_clipped_count", float(norm > bound))
+                if bound < float("inf"):
+                    t.metrics.add("batch/grad_norm_to_median", norm * t._spike_clip.factor / bound)
         self._opt_start = time.perf_counter()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

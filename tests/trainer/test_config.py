@@ -36,6 +36,7 @@ DEFAULTS = {
     "vllm_importance_sampling_clip_max": 5.0,
     "num_sampler_logprobs": 8,
     "tail_token_prob": 1e-3,
+    "grad_spike_clip": 3.0,
     "token_budget": None,
     "max_concurrent_rollouts": 512,
     "max_staleness": 4,
@@ -115,6 +116,8 @@ INVALID = [
     ({"staleness_allowance": "steps"}, r"staleness_allowance='steps' must be one of \('capacity', 'consumed'\)"),
     ({"tail_token_prob": 1.0}, r"tail_token_prob=1.0 must be in \[0, 1\)"),
     ({"tail_token_prob": -0.1}, r"tail_token_prob=-0.1 must be in \[0, 1\)"),
+    ({"grad_spike_clip": 1.0}, r"grad_spike_clip=1.0 must be > 1"),
+    ({"grad_spike_clip": float("nan")}, r"grad_spike_clip=nan must be > 1"),
 ]
 
 

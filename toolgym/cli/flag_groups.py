@@ -31,7 +31,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "stall_timeout",
     ),
     "training step": (
-        "packing", "token_budget", "gradient_accumulation_steps", "bf16", "gradient_checkpointing",
+        "packing", "token_budget", "gradient_accumulation_steps", "grad_spike_clip", "bf16", "gradient_checkpointing",
         "compile_training_step", "compile_row_bucket", "compile_cache_dir",
     ),
     "evaluation": ("eval_temperature", "eval_num_generations", "eval_num_rows", "eval_group_by",

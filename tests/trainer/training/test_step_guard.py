@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainer.exceptions import NonFiniteTrainingError
-from trainer.training.step_guard import StepGuard
+from trainer.training.step_guard import SpikeClip, StepGuard
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -61,3 +61,33 @@ def test_steps_skipped_in_a_row_stop_the_run_and_a_good_step_resets_the_count() 
     _backward(model, float("nan"))
     with pytest.raises(NonFiniteTrainingError, match="3 optimizer steps in a row had non-finite gradients"):
         guard.check(model, 6)
+
+
+def test_a_gradient_spike_is_clipped_to_a_multiple_of_the_recent_median_norm() -> None:
+    model, _ = _model_and_optimizer()
+    clip = SpikeClip(factor=3.0, window=8, min_steps=4)
+    for step in range(4):  # the first steps set the scale: never clipped
+        _backward(model, 1.0 + 0.1 * step)
+        norm, bound = clip.clip(model)
+        assert bound == float("inf")
+    median = sorted(clip.norms)[1:3]
+    expected_bound = 3.0 * (median[0] + median[1]) / 2
+    _backward(model, 1.0)
+    unspiked = _grad_norm(model)
+    norm, bound = clip.clip(model)
+    assert bound == pytest.approx(expected_bound) and norm == pytest.approx(unspiked)
+    assert _grad_norm(model) == pytest.approx(unspiked)  # under the bound: untouched
+    _backward(model, 10.0)  # ten times the usual gradient
+    direction = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    norm, bound = clip.clip(model)
+    assert norm == pytest.approx(10 * unspiked, rel=1e-5)
+    assert _grad_norm(model) == pytest.approx(bound, rel=1e-5)  # scaled down to the bound
+    for before, p in zip(direction, model.parameters(), strict=True):
+        assert p.grad is not None
+        assert torch.allclose(p.grad, before * bound / norm)  # the same direction
+    assert clip.norms[-1] == pytest.approx(norm)  # the spike is recorded as it was
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                       if p.grad is not None])))
