@@ -74,7 +74,12 @@ def test_an_openai_agent_trains_through_the_endpoint(
     total = {k: sum(h.get(k, 0) for h in trainer.state.log_history) for k in (
         "agent/timeout_count", "agent/failed_count", "rollout/failed_count")}
     assert total["agent/timeout_count"] >= 1 and total["agent/failed_count"] >= 1
-    assert total["rollout/failed_count"] >= total["agent/timeout_count"] + total["agent/failed_count"]
+    # Each agent failure fails its rollout. A step logs the records that came with its group; the agent's
+    # counts are recorded a loop turn before its rollout's failure, so the rollouts of one group whose
+    # deadlines fire together may have their agent counts in the last group trained and their failures
+    # in a group the run never trains: at most a group's worth.
+    failed = total["agent/timeout_count"] + total["agent/failed_count"]
+    assert total["rollout/failed_count"] >= failed - trainer.args.num_generations
 
     records = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     ok = [r for r in records if "trained" in r]  # (rollouts cancelled when the run stopped have neither key)
