@@ -18,6 +18,11 @@ class CountingProxy(ThreadingHTTPServer):
     arrived, the path without its query."""
 
     daemon_threads = True
+    # The rollout worker opens many connections at once and the accept loop shares the trainer's process (and
+    # its GIL): socketserver's backlog of 5 can overflow, and a connection the kernel gives up on in the queue
+    # reaches the client as a reset, the likely cause of one "Connection reset by peer" on a weight sync in a
+    # full run with a busy core (the kernel's ListenOverflows counter grows during the suite).
+    request_queue_size = 1024
 
     def __init__(self, upstream: str) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
