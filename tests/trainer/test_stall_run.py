@@ -59,21 +59,14 @@ class WatchedCounter(IncrementEnv):
         self.calls = 0
         return super().reset(target=target, seed=seed, **kwargs)
 
-    # The parent's docstring, word for word: the tool's schema stays the one the warm-started model was taught.
     def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
         self.calls += 1
         if self.fail:
             raise RuntimeError("the counter service is down")
         return super().increment(step)
+
+    # The parent's docstring: the tool's schema stays the one the warm-started model was taught.
+    increment.__doc__ = IncrementEnv.increment.__doc__
 
     def get_reward(self) -> float:
         """1.0 when the counter equals the target, else 0.0; the episode is logged."""

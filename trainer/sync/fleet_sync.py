@@ -20,8 +20,6 @@ sync goes to the same targets (:mod:`trainer.sync.policy_sync`).
 from __future__ import annotations
 
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,12 +37,12 @@ HEALTH_TIMEOUT_S = 2.0
 
 
 def answers_health(admin: VLLMAdminClient, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    """Whether the server at ``admin`` answers ``/health`` with 200 within ``timeout_s``."""
+    """Whether the server at ``admin`` answers ``/health`` (without an HTTP error) within ``timeout_s``."""
     try:
-        with urllib.request.urlopen(f"{admin.base_url}/health", timeout=timeout_s) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        admin.request("GET", "/health", timeout_s=timeout_s)
+    except VLLMServerError:
         return False
+    return True
 
 
 @dataclass(frozen=True)
